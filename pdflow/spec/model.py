@@ -1,0 +1,73 @@
+"""Model geometry: what the graph needs to place layers and size KV units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+from pdflow.spec.dtypes import canonical_dtype
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """A GQA decoder's geometry; ``path`` points at a HF checkpoint when one is served."""
+
+    name: str = MISSING
+    architecture: str = "LlamaForCausalLM"
+    layers: int = MISSING
+    hidden: int = MISSING
+    heads: int = MISSING
+    kv_heads: int = MISSING
+    head_dim: int = MISSING
+    intermediate: int = MISSING
+    vocab: int = MISSING
+    dtype: str = "bf16"
+    # KV cache and stored-weight dtypes when they differ from the compute dtype.
+    kv_dtype: str = "auto"
+    weight_dtype: str = "auto"
+    max_model_len: int = 4096
+    path: Optional[str] = None
+    # Total parameters when the dense estimate from the geometry is wrong (MoE models).
+    param_count: Optional[int] = None
+    # Sparse-attention facts (MiniMax-M3 style): layers that also cache an indexer key
+    # per token (None: none do), and that key's width and dtype.
+    indexer_layers: Optional[list[int]] = None
+    indexer_key_dim: int = 0
+    indexer_dtype: str = "fp8_e4m3"
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"model.{field_name} must be positive, got {getattr(self, field_name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model.heads ({self.heads}) must be a multiple of model.kv_heads ({self.kv_heads}) for GQA"
+            )
+        self.dtype = canonical_dtype(self.dtype)
+        self.kv_dtype = self.dtype if self.kv_dtype == "auto" else canonical_dtype(self.kv_dtype)
+        if self.weight_dtype != "auto":
+            self.weight_dtype = canonical_dtype(self.weight_dtype)
+        self.indexer_dtype = canonical_dtype(self.indexer_dtype)
+        if self.indexer_layers:
+            bad = [i for i in self.indexer_layers if not 0 <= i < self.layers]
+            if bad:
+                raise ValueError(f"model.indexer_layers {bad} lie outside 0..{self.layers - 1}")
+            if self.indexer_key_dim <= 0:
+                raise ValueError("model.indexer_key_dim must be positive when indexer_layers is set")
+
+    @property
+    def stored_weight_dtype(self) -> str:
+        return self.dtype if self.weight_dtype == "auto" else self.weight_dtype
+
+    def dense_params_per_layer(self) -> int:
+        """Attention + SwiGLU MLP + two norms, the Llama/Qwen shape."""
+        attn = self.hidden * self.head_dim * (self.heads * 2 + self.kv_heads * 2)
+        mlp = 3 * self.hidden * self.intermediate
+        return attn + mlp + 2 * self.hidden
+
+    def params_per_layer(self) -> int:
+        if self.param_count is None:
+            return self.dense_params_per_layer()
+        return max(0, self.param_count - 2 * self.vocab * self.hidden) // self.layers

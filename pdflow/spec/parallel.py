@@ -1,0 +1,69 @@
+"""How one instance (the prefill or the decode side) is parallelised and sized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 1 << 30
+PARTITIONS = ("even", "lighter_last")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSpec:
+    """One schema for both sides: ``prefill/`` and ``decode/`` options fill it."""
+
+    tp: int = 1
+    pp: int = 1
+    # Layers per PP stage, explicit; None derives them from ``partition``.
+    layer_partition: Optional[list[int]] = None
+    # How the graph derives the partition when none is given: "even" (earlier stages
+    # take any remainder) or "lighter_last" (the drafter's stage gets ~4/5 of a share).
+    partition: str = "even"
+    block_size: int = 128
+    # Page of the target KV binding; no default on purpose: every binding declares it.
+    kv_page_tokens: Optional[int] = None
+    # "auto" follows the model dtype.
+    kv_dtype: str = "auto"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    # <= 1.0: fraction of one device's memory; > 1.0: bytes.
+    memory: float = 0.9
+    device: str = "cpu"
+    device_memory_gib: float = 16.0
+    # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
+    num_kv_blocks: Optional[int] = None
+    attention_backend: str = "torch"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_page_tokens is not None and (
+            self.kv_page_tokens < 1 or self.block_size % self.kv_page_tokens
+        ):
+            raise ValueError(
+                f"kv_page_tokens ({self.kv_page_tokens}) must divide block_size ({self.block_size})"
+            )
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition {self.partition!r} is not one of {PARTITIONS}")
+        if self.memory <= 0:
+            raise ValueError(f"memory must be a positive fraction or byte count, got {self.memory}")
+        if self.device_memory_gib <= 0:
+            raise ValueError("device_memory_gib must be positive")
+        if self.layer_partition is not None and len(self.layer_partition) != self.pp:
+            # Cross-group facts (layer count) are checked by the graph; length is local.
+            raise ValueError(
+                f"layer_partition {list(self.layer_partition)} has {len(self.layer_partition)} "
+                f"entries for pp={self.pp}; give one layer count per stage"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def usable_bytes(self) -> int:
+        """Bytes of one device this instance may use (weights + KV + activations)."""
+        device_bytes = self.device_memory_gib * GIB
+        return int(self.memory * device_bytes if self.memory <= 1.0 else self.memory)

@@ -1,0 +1,37 @@
+"""KV transfer between producer and consumer instances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+BACKENDS = ("mooncake", "nccl")
+PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferSpec:
+    backend: str = "mooncake"
+    protocol: str = "tcp"
+    # RDMA device name(s) for Mooncake; empty for TCP.
+    device: str = ""
+    # First port of the per-rank handshake listeners; 0 picks free loopback ports.
+    handshake_base_port: int = 0
+    # Explicit producer-unit -> consumer-unit names; None maps by name.
+    consumer_map: Optional[dict[str, str]] = None
+    # Runs per descriptor batch submitted to the engine.
+    descriptor_batch: int = 256
+    # Pack a request's runs into one staging buffer per consumer rank (TCP) instead of
+    # one descriptor per run (RDMA).
+    staging: bool = True
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"transfer.backend {self.backend!r} is not one of {BACKENDS}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"transfer.protocol {self.protocol!r} is not one of {PROTOCOLS}")
+        if self.descriptor_batch < 1:
+            raise ValueError("transfer.descriptor_batch must be >= 1")
+        if not 0 <= self.handshake_base_port < 65536:
+            raise ValueError("transfer.handshake_base_port must be 0 (pick free) or a port number")
