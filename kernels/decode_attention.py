@@ -1,0 +1,213 @@
+"""Paged decode attention: split-K flash-decoding over the head-major paged cache.
+
+One program per (sequence, KV head, split) reads that head's pages in place and
+serves every query head of its GQA group (and, for DSpark blocks, every block
+position) as rows of one ``tl.dot``, so each KV byte is read once per step. The
+(sequence, KV head) pair is grid axis 0 (no 65535 cap); splits are axis 1. Each
+sequence's tokens are cut into ``num_splits`` equal chunks *inside* the kernel, so the
+launch needs no host read of the context lengths (CUDA-graph friendly); with more
+than one split a small reduction pass merges the partial softmaxes. The same kernel
+optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
+block, see block_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, dot_precision, interpreting, mma
+from .reference import decode_attention as decode_attention_reference
+
+__all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
+
+@triton.jit
+def _paged_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, kx_ptr, vx_ptr, lens_ptr, bt_ptr, o_ptr, ml_ptr,
+    scale_log2,
+    s_qb, s_qm, s_qh,
+    s_xb, s_xm, s_xh,
+    s_cb, s_cp, s_ch, s_ct,
+    s_bt,
+    s_ob, s_os, s_om, s_oh,
+    s_mb, s_ms, s_mm, s_mh,
+    H_KV: tl.constexpr, NQ: tl.constexpr, NX: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, PPB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // H_KV).to(tl.int64)
+    kvh = pid % H_KV
+    ctx = tl.load(lens_ptr + b)
+    total = ctx + NX
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // G_PAD
+    qh = kvh * G + rows % G_PAD
+    row_ok = (qi < NQ) & (rows % G_PAD < G)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_off = b * s_qb + qi * s_qm + qh * s_qh
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_ctx = pos < ctx
+        blk = tl.load(bt_ptr + b * s_bt + pos // (PAGE * PPB), mask=in_ctx, other=0).to(tl.int64)
+        off = pos % (PAGE * PPB)
+        tok = blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct
+        kv_mask = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if NX > 0:
+            in_x = (pos >= ctx) & (pos < total)
+            x_off = b * s_xb + (pos - ctx) * s_xm + kvh * s_xh
+            x_mask = in_x[:, None] & d_ok[None, :]
+            kx = tl.load(kx_ptr + x_off[:, None] + d[None, :], mask=x_mask, other=0.0)
+            vx = tl.load(vx_ptr + x_off[:, None] + d[None, :], mask=x_mask, other=0.0)
+            k = tl.where(in_x[:, None], kx.to(k.dtype), k)
+            v = tl.where(in_x[:, None], vx.to(v.dtype), v)
+        s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
+        s = tl.where((pos < end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_i = m_new
+
+    o_off = b * s_ob + split * s_os + qi * s_om + qh * s_oh
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptr + o_off[:, None] + d[None, :], acc, mask=o_mask)
+        ml_off = b * s_mb + split * s_ms + qi * s_mm + qh * s_mh
+        tl.store(ml_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_off + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, ml_ptr, o_ptr,
+    s_pr, s_ps, s_mr, s_ms, s_or,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Merge the partial softmaxes of one (sequence, query, head) row."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, S_PAD)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = sp < SPLITS
+    m = tl.load(ml_ptr + r * s_mr + sp * s_ms, mask=s_ok, other=float("-inf"))
+    ll = tl.load(ml_ptr + r * s_mr + sp * s_ms + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+    den = tl.sum(w * ll, 0)
+    part = tl.load(
+        part_ptr + r * s_pr + sp[:, None] * s_ps + d[None, :],
+        mask=s_ok[:, None] & (d < D)[None, :], other=0.0,
+    )
+    out = tl.sum(w[:, None] * part, 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptr + r * s_or + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int | None) -> int:
+    """Enough programs to fill the GPU about twice, never splits shorter than 256 tokens."""
+    splits = max(1, min(16, triton.cdiv(2 * _sm_count(device), batch * h_kv)))
+    if max_context is not None:
+        splits = max(1, min(splits, triton.cdiv(max_context, 256)))
+    return splits
+
+
+def paged_attention(
+    q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
+    *, num_splits=None, max_context=None, block_n=None, num_warps=None, num_stages=None,
+):
+    """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
+    k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D]."""
+    bsz, nq, h_q, d = q.shape
+    _, ppb, h_kv, page, dc = k_cache.shape
+    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = h_q // h_kv
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(16, triton.next_power_of_2(nq * g_pad))
+    block_d = max(16, triton.next_power_of_2(d))
+    if block_n is None:
+        block_n = 64 if block_m <= 64 else 32
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3 if q.is_cuda else 1
+    if num_splits is None:
+        num_splits = default_splits(bsz, h_kv, q.device, max_context)
+    nx = 0 if k_extra is None else k_extra.shape[1]
+    if nx:
+        assert k_extra.stride() == v_extra.stride() and k_extra.stride(-1) == 1
+        x_strides = k_extra.stride()[:3]
+    else:
+        k_extra = v_extra = k_cache
+        x_strides = (0, 0, 0)
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        target, ml = out, out
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        ml_strides = (0, 0, 0, 0)
+    else:
+        # Partials are [B, NQ, H_q, splits, D] (and m, l as [..., splits, 2]) so that the
+        # merge pass reads one (b, q, h) row as a contiguous [splits, D] tile.
+        target = torch.empty((bsz, nq, h_q, num_splits, d), device=q.device, dtype=torch.float32)
+        ml = torch.empty((bsz, nq, h_q, num_splits, 2), device=q.device, dtype=torch.float32)
+        t, m = target.stride(), ml.stride()
+        o_strides = (t[0], t[3], t[1], t[2])
+        ml_strides = (m[0], m[3], m[1], m[2])
+    _paged_split_kernel[(bsz * h_kv, num_splits)](
+        q, k_cache, v_cache, k_extra, v_extra, context_lens, block_tables, target, ml,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        *x_strides,
+        *k_cache.stride()[:4],
+        block_tables.stride(0),
+        *o_strides,
+        *ml_strides,
+        H_KV=h_kv, NQ=nq, NX=nx, G=group, G_PAD=g_pad, D=d, BLOCK_D=block_d,
+        PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        assert out.is_contiguous()
+        _merge_splits_kernel[(bsz * nq * h_q,)](
+            target, ml, out,
+            num_splits * d, d, num_splits * 2, 2, d,
+            D=d, BLOCK_D=block_d, SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, **tuning):
+    """q [B, H_q, D]: one new token per sequence over its first ``context_lens[b]`` tokens."""
+    return paged_attention(
+        q[:, None], k_cache, v_cache, context_lens, block_tables, scale, **tuning
+    )[:, 0]
