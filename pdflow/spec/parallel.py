@@ -28,9 +28,10 @@ class ParallelSpec:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     # <= 1.0: fraction of one device's memory; > 1.0: bytes.
-    memory: float = 0.9
+    memory: float = 0.1
     device: str = "cpu"
-    device_memory_gib: float = 16.0
+    # CPU-sized defaults (a few hundred MB per rank); GPU experiments set both.
+    device_memory_gib: float = 4.0
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
     num_kv_blocks: Optional[int] = None
     attention_backend: str = "torch"

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
 
 BACKENDS = ("mooncake", "nccl")
 PROTOCOLS = ("tcp", "rdma")
@@ -17,8 +16,8 @@ class TransferSpec:
     device: str = ""
     # First port of the per-rank handshake listeners; 0 picks free loopback ports.
     handshake_base_port: int = 0
-    # Explicit producer-unit -> consumer-unit names; None maps by name.
-    consumer_map: Optional[dict[str, str]] = None
+    # Explicit producer-unit -> consumer-unit names ("" = not sent); others map by name.
+    consumer_map: dict[str, str] = field(default_factory=dict)
     # Runs per descriptor batch submitted to the engine.
     descriptor_batch: int = 256
     # Pack a request's runs into one staging buffer per consumer rank (TCP) instead of

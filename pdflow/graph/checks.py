@@ -1,0 +1,166 @@
+"""Cross-group checks on the spec, run before placement (which assumes they pass)."""
+
+from __future__ import annotations
+
+from pdflow.graph.heads import default_taps, heads_divisible
+from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition
+from pdflow.graph.refusals import Code, Refusal
+from pdflow.spec import ParallelSpec, RunSpec
+
+# CUDA caps grid axes y and z at 65535; the attention kernels launch one row per
+# (token, KV head) there.
+GRID_ROW_LIMIT = 65535
+
+
+def resolved_taps(spec: RunSpec) -> list[int]:
+    d = spec.drafter
+    if d.kind != "dspark":
+        return []
+    return list(d.taps) if d.taps is not None else default_taps(spec.model.layers, d.num_taps)
+
+
+def _sides(spec: RunSpec) -> list[tuple[str, ParallelSpec]]:
+    return [(PRODUCER, spec.prefill), (CONSUMER, spec.decode)]
+
+
+def check_partitions(spec: RunSpec) -> list[Refusal]:
+    out = []
+    layers = spec.model.layers
+    for role, par in _sides(spec):
+        parts = layer_partition(layers, par)
+        if len(parts) != par.pp or sum(parts) != layers or min(parts) < 1:
+            out.append(
+                Refusal(
+                    code=Code.BAD_LAYER_PARTITION,
+                    message=(
+                        f"{role} layer partition {parts} over pp={par.pp} must have {par.pp} "
+                        f"entries, each >= 1, summing to the model's {layers} layers."
+                    ),
+                    fix=(
+                        f"set {role}.layer_partition to {par.pp} positive counts summing to "
+                        f"{layers}, or drop it for an even split (pp <= {layers})."
+                    ),
+                )
+            )
+    return out
+
+
+def check_head_cuts(spec: RunSpec) -> list[Refusal]:
+    out = []
+    groups = [("target", spec.model.kv_heads)]
+    if spec.drafter.enabled:
+        groups.append(("drafter", spec.drafter.kv_heads))
+    for role, par in _sides(spec):
+        for what, kv in groups:
+            if not heads_divisible(kv, par.tp):
+                out.append(
+                    Refusal(
+                        code=Code.HEAD_CUT_NOT_DIVISIBLE,
+                        message=f"{role} tp={par.tp} cannot split the {what}'s {kv} KV heads "
+                        "evenly nor replicate them (neither divides the other).",
+                        fix=f"use a {role}.tp that divides {kv} or is a multiple of it.",
+                    )
+                )
+    p, c = spec.prefill.tp, spec.decode.tp
+    if max(p, c) % min(p, c):
+        out.append(
+            Refusal(
+                code=Code.HEAD_CUT_NOT_DIVISIBLE,
+                message=f"producer tp={p} and consumer tp={c}: neither is a multiple of the "
+                "other, so a consumer rank's heads would straddle producer ranks unevenly.",
+                fix="pick tp degrees where one is a multiple of the other (e.g. 1->4, 2->4, 4->2).",
+            )
+        )
+    return out
+
+
+def _page_refusals(owner: str, what: str, page: int | None, role: str, block: int) -> list[Refusal]:
+    if page is None:
+        return [
+            Refusal(
+                code=Code.PAGE_UNDECLARED,
+                message=f"the {what} KV binding declares no page ({owner} is null); a head "
+                "cut needs the page to find each head's runs.",
+                fix=f"set {owner} to the page size its attention binding reads and writes.",
+            )
+        ]
+    if page < 1 or block % page:
+        return [
+            Refusal(
+                code=Code.PAGE_NOT_DIVIDING_BLOCK,
+                message=f"{owner}={page} does not divide {role}.block_size={block}.",
+                fix=f"choose a page that divides {block} (e.g. 16 or {block}).",
+            )
+        ]
+    return []
+
+
+def check_pages(spec: RunSpec) -> list[Refusal]:
+    out = []
+    for role, par in _sides(spec):
+        out += _page_refusals(f"{role}.kv_page_tokens", "target", par.kv_page_tokens, role, par.block_size)
+    if spec.drafter.enabled:
+        page = spec.drafter.page_tokens
+        for role, par in _sides(spec):
+            found = _page_refusals("drafter.page_tokens", "drafter", page, role, par.block_size)
+            out += [r for r in found if r not in out]
+    return out
+
+
+def check_drafter(spec: RunSpec) -> list[Refusal]:
+    d, layers = spec.drafter, spec.model.layers
+    out = []
+    bad = [t for t in resolved_taps(spec) if not 0 <= t < layers]
+    if bad:
+        out.append(
+            Refusal(
+                code=Code.DRAFTER_TAP_OUT_OF_RANGE,
+                message=f"drafter taps {bad} lie outside the target's layers 0..{layers - 1}.",
+                fix=f"declare drafter.taps within 0..{layers - 1}.",
+            )
+        )
+    pp = max(spec.prefill.pp, spec.decode.pp)
+    if d.enabled and d.taps_target_layers and not d.taps_declared and pp > 1:
+        out.append(
+            Refusal(
+                code=Code.EAGLE3_UNDER_PP,
+                message=f"the {d.kind} drafter taps target layers named by its checkpoint, not "
+                f"declared in the config; under pp={pp} only declared taps ride the activations "
+                "to the last stage, so the producer would write wrong draft context K/V.",
+                fix="use a pp=1 prefill (e.g. prefill=tp4), or a drafter with declared taps "
+                "(drafter=dspark).",
+            )
+        )
+    return out
+
+
+def check_grid(spec: RunSpec) -> list[Refusal]:
+    out = []
+    d = spec.drafter
+    for role, par in _sides(spec):
+        per_rank = max(1, spec.model.kv_heads // par.tp)
+        if d.enabled:
+            per_rank = max(per_rank, d.kv_heads // par.tp)
+        rows = par.max_num_batched_tokens * per_rank
+        if rows > GRID_ROW_LIMIT:
+            out.append(
+                Refusal(
+                    code=Code.BATCH_OVER_GRID_LIMIT,
+                    message=f"{role}.max_num_batched_tokens={par.max_num_batched_tokens} x "
+                    f"{per_rank} KV heads per rank = {rows} attention rows, over the kernel "
+                    f"grid limit of {GRID_ROW_LIMIT}.",
+                    fix=f"lower {role}.max_num_batched_tokens to at most "
+                    f"{GRID_ROW_LIMIT // per_rank}.",
+                )
+            )
+    return out
+
+
+def check_spec(spec: RunSpec) -> list[Refusal]:
+    return [
+        *check_partitions(spec),
+        *check_head_cuts(spec),
+        *check_pages(spec),
+        *check_drafter(spec),
+        *check_grid(spec),
+    ]

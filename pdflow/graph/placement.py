@@ -1,0 +1,157 @@
+"""Placement: stages and their layers, ranks and their heads, the units each rank holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdflow.graph.heads import even_partition, lighter_last_partition, rank_heads
+from pdflow.graph.units import DRAFT, INDEXER, TARGET, UnitSpec
+from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec
+from pdflow.spec.dtypes import canonical_dtype
+
+PRODUCER, CONSUMER = "prefill", "decode"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlan:
+    role: str
+    rank: int  # rank within the instance: stage * tp + tp_rank
+    stage: int
+    tp_rank: int
+    heads: tuple[int, ...]
+    draft_heads: tuple[int, ...]
+    units: tuple[UnitSpec, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}.s{self.stage}.t{self.tp_rank}"
+
+    def unit(self, name: str) -> UnitSpec | None:
+        return next((u for u in self.units if u.name == name), None)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    index: int
+    layer_start: int
+    layer_stop: int
+    ranks: tuple[RankPlan, ...]
+    # Target layers whose hidden states this stage captures for the drafter.
+    taps_captured: tuple[int, ...]
+    # Taps this stage sends on to the next stage with its activations (captured so far).
+    taps_relayed: tuple[int, ...]
+    holds_drafter: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_stop)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InstancePlan:
+    role: str
+    tp: int
+    pp: int
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def ranks(self) -> tuple[RankPlan, ...]:
+        return tuple(r for s in self.stages for r in s.ranks)
+
+
+def layer_partition(layers: int, par: ParallelSpec) -> list[int]:
+    """The partition the spec asks for (explicit, or derived by its rule); unchecked."""
+    if par.layer_partition is not None:
+        return list(par.layer_partition)
+    if par.partition == "lighter_last":
+        return lighter_last_partition(layers, par.pp)
+    return even_partition(layers, par.pp)
+
+
+def kv_dtype(model: ModelSpec, par: ParallelSpec) -> str:
+    return model.kv_dtype if par.kv_dtype == "auto" else canonical_dtype(par.kv_dtype)
+
+
+def draft_dtype(model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec) -> str:
+    return kv_dtype(model, par) if drafter.dtype == "auto" else canonical_dtype(drafter.dtype)
+
+
+def _rank_units(
+    *,
+    model: ModelSpec,
+    par: ParallelSpec,
+    drafter: DrafterSpec,
+    layers: range,
+    heads: tuple[int, ...],
+    draft_heads: tuple[int, ...],
+) -> tuple[UnitSpec, ...]:
+    dtype = kv_dtype(model, par)
+    units: list[UnitSpec] = []
+    indexed = set(model.indexer_layers or ())
+    for layer in layers:
+        for fld in ("k", "v"):
+            units.append(
+                UnitSpec(
+                    family=TARGET, field=fld, layer=layer, heads=heads, head_dim=model.head_dim,
+                    dtype=dtype, page_tokens=par.kv_page_tokens, block_size=par.block_size,
+                )
+            )
+        if layer in indexed:
+            units.append(
+                UnitSpec(
+                    family=INDEXER, field="key", layer=layer, heads=(),
+                    head_dim=model.indexer_key_dim, dtype=model.indexer_dtype,
+                    page_tokens=par.kv_page_tokens, block_size=par.block_size,
+                )
+            )
+    for row in range(drafter.layers if draft_heads else 0):
+        for fld in ("k", "v"):
+            units.append(
+                UnitSpec(
+                    family=DRAFT, field=fld, layer=row, heads=draft_heads,
+                    head_dim=drafter.head_dim, dtype=draft_dtype(model, par, drafter),
+                    page_tokens=drafter.page_tokens, block_size=par.block_size,
+                )
+            )
+    return tuple(units)
+
+
+def place_instance(
+    role: str, model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec, taps: list[int]
+) -> InstancePlan:
+    """Stages, ranks, heads and units of one instance. Assumes the checks passed.
+
+    The drafter lives with the last stage (producer) or on every rank (consumer); in both
+    cases its KV heads are split over that stage's TP ranks like the target's.
+    """
+    parts = layer_partition(model.layers, par)
+    stages: list[StagePlan] = []
+    start = 0
+    for s, count in enumerate(parts):
+        stop = start + count
+        last = s == len(parts) - 1
+        holds_drafter = drafter.enabled and last
+        ranks = []
+        for t in range(par.tp):
+            heads = rank_heads(model.kv_heads, par.tp, t)
+            d_heads = rank_heads(drafter.kv_heads, par.tp, t) if holds_drafter else ()
+            units = _rank_units(
+                model=model, par=par, drafter=drafter, layers=range(start, stop),
+                heads=heads, draft_heads=d_heads,
+            )
+            ranks.append(
+                RankPlan(
+                    role=role, rank=s * par.tp + t, stage=s, tp_rank=t, heads=heads,
+                    draft_heads=d_heads, units=units,
+                )
+            )
+        captured = tuple(t for t in taps if start <= t < stop)
+        relayed = () if last else tuple(t for t in taps if t < stop)
+        stages.append(
+            StagePlan(
+                index=s, layer_start=start, layer_stop=stop, ranks=tuple(ranks),
+                taps_captured=captured, taps_relayed=relayed, holds_drafter=holds_drafter,
+            )
+        )
+        start = stop
+    return InstancePlan(role=role, tp=par.tp, pp=par.pp, stages=tuple(stages))

@@ -1,0 +1,62 @@
+"""Refusals: every way a deployment is turned down before a byte moves.
+
+Each refusal has a stable code (tests and tooling match on it), a message naming the
+parts involved, and a fix a user can apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Code(str, Enum):
+    EAGLE3_UNDER_PP = "EAGLE3_UNDER_PP"
+    HEAD_CUT_NOT_DIVISIBLE = "HEAD_CUT_NOT_DIVISIBLE"
+    UNIT_MISMATCH_HEAD_DIM = "UNIT_MISMATCH_HEAD_DIM"
+    UNIT_MISMATCH_DTYPE = "UNIT_MISMATCH_DTYPE"
+    UNIT_MISMATCH_PAGE = "UNIT_MISMATCH_PAGE"
+    UNIT_MISMATCH_BLOCK = "UNIT_MISMATCH_BLOCK"
+    UNIT_MISMATCH_HEADS = "UNIT_MISMATCH_HEADS"
+    PAGE_UNDECLARED = "PAGE_UNDECLARED"
+    PAGE_NOT_DIVIDING_BLOCK = "PAGE_NOT_DIVIDING_BLOCK"
+    REGION_MISSING = "REGION_MISSING"
+    REGION_TWO_TO_ONE = "REGION_TWO_TO_ONE"
+    REGION_UNFILLED = "REGION_UNFILLED"
+    BATCH_OVER_GRID_LIMIT = "BATCH_OVER_GRID_LIMIT"
+    BAD_LAYER_PARTITION = "BAD_LAYER_PARTITION"
+    DRAFTER_TAP_OUT_OF_RANGE = "DRAFTER_TAP_OUT_OF_RANGE"
+    KV_POOL_EMPTY = "KV_POOL_EMPTY"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Refusals after which placement cannot be computed at all.
+STRUCTURAL = frozenset(
+    {
+        Code.BAD_LAYER_PARTITION,
+        Code.HEAD_CUT_NOT_DIVISIBLE,
+        Code.PAGE_UNDECLARED,
+        Code.PAGE_NOT_DIVIDING_BLOCK,
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refusal:
+    code: Code
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message} Fix: {self.fix}"
+
+
+class GraphRefused(Exception):
+    """Raised by commands when the run graph has refusals; carries all of them."""
+
+    def __init__(self, refusals: list[Refusal]):
+        self.refusals = list(refusals)
+        lines = "\n".join(f"  - {r}" for r in self.refusals)
+        super().__init__(f"the run graph is refused ({len(self.refusals)} reasons):\n{lines}")

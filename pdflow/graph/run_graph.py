@@ -1,0 +1,137 @@
+"""The run graph: one composed spec turned into placement, units, regions, cuts and
+budgets, with every refusal. The only place that computes these; everything asks it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pdflow.graph.budget import BlockBudget, block_budget
+from pdflow.graph.checks import check_spec, resolved_taps
+from pdflow.graph.cut import CutPlan, build_cut_plans
+from pdflow.graph.placement import CONSUMER, PRODUCER, InstancePlan, RankPlan, place_instance
+from pdflow.graph.refusals import STRUCTURAL, Code, GraphRefused, Refusal
+from pdflow.graph.regions import Region, build_regions
+from pdflow.spec import RunSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterPlan:
+    kind: str
+    taps: tuple[int, ...]
+    # Stage of the producer that captures each tap.
+    tap_stage: dict[int, int]
+    drafter_stage: int
+    # Producers write the draft context K/V; they propose only when writing it needs a
+    # propose step (eagle), never to emit drafts.
+    producer_proposes: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunGraph:
+    spec: RunSpec
+    producer: InstancePlan | None
+    consumer: InstancePlan | None
+    drafter: DrafterPlan | None
+    regions: tuple[Region, ...]
+    cuts: tuple[CutPlan, ...]
+    budgets: dict[str, BlockBudget]
+    refusals: tuple[Refusal, ...]
+
+    def validate(self) -> list[Refusal]:
+        """Every refusal at once (empty when the deployment is allowed)."""
+        return list(self.refusals)
+
+    def raise_if_refused(self) -> RunGraph:
+        if self.refusals:
+            raise GraphRefused(list(self.refusals))
+        return self
+
+    def codes(self) -> set[Code]:
+        return {r.code for r in self.refusals}
+
+    def instance(self, role: str) -> InstancePlan:
+        plan = self.producer if role == PRODUCER else self.consumer
+        if plan is None:
+            raise GraphRefused(list(self.refusals))
+        return plan
+
+    def rank(self, role: str, rank: int) -> RankPlan:
+        return self.instance(role).ranks[rank]
+
+    def cut(self, producer_rank: int, consumer_rank: int) -> CutPlan | None:
+        return next(
+            (c for c in self.cuts if (c.producer_rank, c.consumer_rank) == (producer_rank, consumer_rank)),
+            None,
+        )
+
+    def to_dict(self) -> dict:
+        """Plain data for ``pdflow plan --json`` and for logging."""
+        out = {
+            f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "spec"
+        }
+        out["allowed"] = not self.refusals
+        return out
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        data = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if hasattr(value, "name") and "name" not in data:
+            data["name"] = value.name
+        return data
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Code):
+        return value.value
+    return value
+
+
+def build_graph(spec: RunSpec) -> RunGraph:
+    refusals = check_spec(spec)
+    empty = dict(producer=None, consumer=None, drafter=None, regions=(), cuts=(), budgets={})
+    if any(r.code in STRUCTURAL for r in refusals):
+        return RunGraph(spec=spec, refusals=tuple(refusals), **empty)
+    taps = [t for t in resolved_taps(spec) if 0 <= t < spec.model.layers]
+    producer = place_instance(PRODUCER, spec.model, spec.prefill, spec.drafter, taps)
+    consumer = place_instance(CONSUMER, spec.model, spec.decode, spec.drafter, taps)
+    drafter = None
+    if spec.drafter.enabled:
+        drafter = DrafterPlan(
+            kind=spec.drafter.kind,
+            taps=tuple(taps),
+            tap_stage={t: s.index for s in producer.stages for t in s.taps_captured},
+            drafter_stage=producer.stages[-1].index,
+            producer_proposes=not spec.drafter.context_kv_only,
+        )
+    regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
+    refusals += region_refusals
+    cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions)
+    budgets = {}
+    for role, plan, par in ((PRODUCER, producer, spec.prefill), (CONSUMER, consumer, spec.decode)):
+        budget = block_budget(role, plan, spec.model, par, spec.drafter, len(taps))
+        budgets[role] = budget
+        if budget.pool_blocks < 1:
+            worst = budget.stages[budget.binding_stage]
+            refusals.append(
+                Refusal(
+                    code=Code.KV_POOL_EMPTY,
+                    message=f"{role} stage {worst.stage} has no room for a KV block: "
+                    f"{worst.usable_bytes} usable bytes, {worst.weight_bytes} of weights, "
+                    f"{worst.activation_bytes} of activations, {worst.bytes_per_block} per block.",
+                    fix=f"raise {role}.memory or device_memory_gib, add pp/tp, or lower "
+                    f"{role}.max_num_batched_tokens.",
+                )
+            )
+    return RunGraph(
+        spec=spec,
+        producer=producer,
+        consumer=consumer,
+        drafter=drafter,
+        regions=tuple(regions),
+        cuts=tuple(cuts),
+        budgets=budgets,
+        refusals=tuple(refusals),
+    )
