@@ -1,0 +1,1 @@
+"""Sequences, scheduler, block manager and the step loop of one serving instance."""

@@ -1,0 +1,49 @@
+"""Attention backends by name (``ParallelSpec.attention_backend``).
+
+A backend is any object with ``store_kv``, ``prefill_attention`` and
+``decode_attention`` taking the arguments of ``pdflow.kernels.reference``. Built-in
+names map to modules imported on first use (so ``"triton"`` costs nothing until asked
+for); ``register_backend`` adds others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None: ...
+
+    def prefill_attention(
+        self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+    ) -> Any: ...
+
+    def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale) -> Any: ...
+
+
+# name -> module that calls register_backend(name, ...) when imported.
+BUILTIN_MODULES = {
+    "torch": "pdflow.attention.torch_backend",
+    "triton": "pdflow.attention.triton_backend",
+}
+_factories: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _factories[name] = factory
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _factories and name in BUILTIN_MODULES:
+        try:
+            importlib.import_module(BUILTIN_MODULES[name])
+        except ModuleNotFoundError as err:
+            raise ValueError(f"attention backend {name!r} is not available: {err}") from err
+    if name not in _factories:
+        known = sorted(set(_factories) | set(BUILTIN_MODULES))
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}")
+    return _factories[name]()

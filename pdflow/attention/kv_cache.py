@@ -1,0 +1,53 @@
+"""The KV cache binding: one tensor per (layer, field) laid out exactly as its UnitSpec."""
+
+from __future__ import annotations
+
+import torch
+
+from pdflow.attention.heads import kv_heads_of_rank
+from pdflow.graph.units import TARGET, UnitSpec
+
+FIELDS = ("k", "v")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def local_unit_specs(
+    *, layers: range, num_kv_heads: int, tp_rank: int, tp_size: int, head_dim: int,
+    dtype: str, page_tokens: int | None, block_size: int,
+) -> list[UnitSpec]:
+    """The target units this rank binds. The run graph will provide these; this is the
+    one call site to swap when it does."""
+    heads = tuple(kv_heads_of_rank(num_kv_heads, tp_rank, tp_size))
+    return [
+        UnitSpec(
+            family=TARGET, field=f, layer=layer, heads=heads, head_dim=head_dim, dtype=dtype,
+            page_tokens=page_tokens, block_size=block_size,
+        )
+        for layer in layers
+        for f in FIELDS
+    ]
+
+
+def bytes_per_block(units: list[UnitSpec]) -> int:
+    return sum(u.bytes_per_block for u in units)
+
+
+class KVCacheBinding:
+    """Allocates each unit's cache tensor and attaches K/V pairs to the attention layers."""
+
+    def __init__(self, units: list[UnitSpec], num_blocks: int, device: torch.device):
+        for u in units:
+            if u.page_tokens is None:
+                raise ValueError(f"{u.name}: a KV binding must declare its page_tokens")
+        self.units = {(u.layer, u.field): u for u in units}
+        self.num_blocks = num_blocks
+        self.caches = {
+            key: torch.zeros(u.cache_shape(num_blocks), dtype=TORCH_DTYPES[u.dtype], device=device)
+            for key, u in self.units.items()
+        }
+
+    def bind(self, attention_layers, backend) -> None:
+        for attn in attention_layers:
+            attn.k_cache = self.caches[(attn.layer, "k")]
+            attn.v_cache = self.caches[(attn.layer, "v")]
+            attn.backend = backend

@@ -1,0 +1,38 @@
+"""The attention layer a model calls: store this step's K/V, then attend over the cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdflow.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Holds no weights: a KV binding attaches this layer's caches and the backend."""
+
+    def __init__(
+        self, *, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend = None
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]."""
+        if self.k_cache is None:
+            raise RuntimeError(f"layer {self.layer} has no KV cache bound (KVCacheBinding.bind)")
+        b = self.backend
+        b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return b.decode_attention(
+                q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, self.scale
+            )
+        return b.prefill_attention(
+            q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
+            meta.block_tables, self.scale,
+        )

@@ -1,0 +1,26 @@
+"""What one forward pass tells every attention layer about the batch's paged context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class AttentionMetadata:
+    """Tensors the attention ops take (see ``pdflow.kernels.reference``).
+
+    ``decode_only``: every sequence brings exactly one new token, so the decode op runs;
+    otherwise the prefill op serves the whole (possibly mixed) batch.
+    """
+
+    decode_only: bool
+    # [N] int64: cache slot of each new token (block_id * block_size + offset), -1 skips.
+    slot_mapping: torch.Tensor
+    # [B+1] int32: offsets of each sequence's new tokens in the flattened batch.
+    cu_seqlens_q: torch.Tensor
+    # [B] int32: KV tokens per sequence including this step's new ones.
+    context_lens: torch.Tensor
+    # [B, max_blocks] int32: block ids of each sequence, padded with 0.
+    block_tables: torch.Tensor

@@ -1,0 +1,128 @@
+"""KV block pool with prefix caching.
+
+Every full block of computed tokens gets a chained hash (its tokens plus the hash of the
+block before), so a hit means the whole prefix up to it matches. Hits are verified by
+comparing token ids, so a hash collision costs a miss, never wrong K/V. Blocks are
+reference counted; a freed block keeps its hash and stays reusable until the pool hands
+it out again (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdflow.engine.sequence import Sequence
+
+NO_HASH = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        # Free blocks in the order they were freed; cached ones stay findable by hash.
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest matching run of full prompt blocks and
+        return the tokens they hold. The last token is never served from cache: its
+        logits must be computed."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        bs, parent = self.block_size, None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change)
+        when the pool is short."""
+        needed = self.blocks_for(num_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            block_id = next(iter(self.free_ids))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks that became full of computed tokens, so later prompts hit them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.cached:  # a twin computed concurrently keeps the first copy
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; the last block goes back first so the prefix
+        blocks, shared more often, survive longest."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_ids[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not NO_HASH and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = NO_HASH, ()

@@ -1,0 +1,105 @@
+"""Continuous batching with chunked prefill under a token budget, preempting by recompute.
+
+Each step spends at most ``max_num_batched_tokens`` new tokens: running sequences first
+(one token each when decoding, the next chunk when still prefilling), then waiting ones
+in arrival order while ``max_num_seqs`` allows. When blocks run out, the most recently
+admitted running sequence gives its blocks back and waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdflow.engine.block_manager import BlockManager
+from pdflow.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    # New tokens each sequence computes this step (same order as seqs).
+    num_new_tokens: list[int]
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int):
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch(seqs=[], num_new_tokens=[])
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        if not preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+                self.blocks.free(seq)
+                break
+            if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+                seq.num_cached_tokens = cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its K/V (kept findable by the prefix cache)."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)

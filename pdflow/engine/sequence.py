@@ -1,0 +1,59 @@
+"""One request's tokens, progress and blocks as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdflow.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class Sequence:
+    request_id: str
+    # Prompt followed by every generated token.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V sit in this sequence's blocks.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hash of each full block computed so far (prefix caching).
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Where a matched stop string begins in the decoded output text.
+    stop_text_at: int | None = None
+    # torch.Generator for seeded sampling, created on the first sample.
+    generator: Any = None
+    num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,103 @@
+"""The decoder's geometry, read from a HF ``config.json`` or built from a ModelSpec."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures whose attention normalises q and k per head before RoPE.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(kw_only=True, slots=True)
+class DecoderConfig:
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF rope parameters without theta: {"rope_type": "llama3", "factor": ...}; None = default.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads, {self.num_kv_heads} KV heads: not GQA")
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
+        archs = raw.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        heads = raw["num_attention_heads"]
+        # transformers 5 writes rope_parameters (theta inside); 4.x rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            intermediate_size=raw["intermediate_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_file(cls, folder: Path) -> DecoderConfig:
+        return cls.from_hf_dict(json.loads((folder / "config.json").read_text()))
+
+    @classmethod
+    def from_model_spec(cls, spec) -> DecoderConfig:
+        """Geometry of a ``pdflow.spec.ModelSpec`` (random-init benchmarks)."""
+        return cls(
+            architecture=spec.architecture,
+            vocab_size=spec.vocab,
+            hidden_size=spec.hidden,
+            num_layers=spec.layers,
+            num_heads=spec.heads,
+            num_kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate,
+            max_position_embeddings=spec.max_model_len,
+            qk_norm=spec.architecture in QK_NORM_ARCHITECTURES,
+        )
+
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}

@@ -1,0 +1,143 @@
+"""GQA decoder for the Llama and Qwen3 families, buildable as a slice of layers (PP).
+
+Parameter names follow HF (``model.layers.<global i>.self_attn...``) except that q/k/v
+and gate/up are stacked (``qkv_proj``, ``gate_up_proj``); the loader maps them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdflow.attention.layer import PagedAttention
+from pdflow.attention.metadata import AttentionMetadata
+from pdflow.model.config import DecoderConfig
+from pdflow.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pdflow.model.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope: RotaryEmbedding, tp_rank, tp_size):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias,
+            tp_rank, tp_size,
+        )
+        self.num_heads = self.qkv_proj.local_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, tp_rank, tp_size)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope  # one table shared by all layers; its buffers are not persistent
+        self.attn = PagedAttention(
+            layer=layer, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=d, scale=d**-0.5,
+        )
+
+    def forward(self, x, positions, meta: AttentionMetadata):
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+        )
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig, tp_rank, tp_size):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [i, i], False, tp_rank, tp_size
+        )
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, tp_rank, tp_size)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope, tp_rank, tp_size):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rope, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp_rank, tp_size)
+
+    def forward(self, x, positions, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """Embeddings (first stage), the stage's layers keyed by global index, norm (last)."""
+
+    def __init__(self, cfg: DecoderConfig, layer_range: range, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.is_first = layer_range.start == 0
+        self.is_last = layer_range.stop == cfg.num_layers
+        rope = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.rotary = rope
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+            if self.is_first else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, i, rope, tp_rank, tp_size) for i in layer_range}
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+
+
+class CausalLM(nn.Module):
+    """One pipeline stage of the decoder (the whole model when ``layer_range`` is None)."""
+
+    def __init__(
+        self, cfg: DecoderConfig, *, layer_range: range | None = None, tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        self.config = cfg
+        self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
+        if not 0 <= self.layer_range.start < self.layer_range.stop <= cfg.num_layers:
+            raise ValueError(f"layer_range {self.layer_range} outside 0..{cfg.num_layers}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = DecoderBody(cfg, self.layer_range, tp_rank, tp_size)
+        self.lm_head = (
+            ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+            if self.model.is_last else None
+        )
+        if self.lm_head is not None and self.model.is_first and cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """Token ids [T] on the first stage, hidden states [T, hidden] on later ones.
+        Returns hidden states (normed on the last stage)."""
+        x = self.model.embed_tokens(inputs) if self.model.is_first else inputs
+        for layer in self.model.layers.values():
+            x = layer(x, positions, meta)
+        return self.model.norm(x) if self.model.is_last else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,170 @@
+"""Building blocks whose weights can be sharded for tensor parallelism.
+
+Each parameter carries a ``weight_loader(param, loaded, shard=None)`` that copies this
+rank's slice of a full checkpoint tensor, so TP slots in by passing ``tp_rank`` and
+``tp_size`` (default 1: the whole tensor). Forward passes reduce across ranks only when
+``tp_size > 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdflow.attention.heads import kv_heads_of_rank
+
+
+def _divide(total: int, parts: int) -> int:
+    if total % parts:
+        raise ValueError(f"{total} does not split evenly over {parts} tensor-parallel ranks")
+    return total // parts
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class ShardedLinear(nn.Module):
+    """A linear layer holding one rank's slice; subclasses say which dimension is cut."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(ShardedLinear):
+    """Output features cut across ranks; no communication in forward."""
+
+    def __init__(self, in_features, out_features, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(in_features, _divide(out_features, tp_size), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard=None):
+        rows = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stacked (gate and up); ``shard`` is the index."""
+
+    def __init__(self, in_features, out_sizes: list[int], bias=False, tp_rank=0, tp_size=1):
+        self.local_sizes = [_divide(s, tp_size) for s in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard=None):
+        size = self.local_sizes[shard]
+        start = sum(self.local_sizes[:shard])
+        piece = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, start, size).copy_(piece)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections stacked; ranks take whole heads. With more ranks than KV heads a
+    KV head is replicated: rank r holds KV head ``r // (tp_size / kv_heads)``."""
+
+    def __init__(self, hidden, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1):
+        self.head_dim = head_dim
+        self.local_heads = _divide(num_heads, tp_size)
+        kv_heads = kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)
+        self.local_kv_heads, self.kv_head_start = len(kv_heads), kv_heads.start
+        out = (self.local_heads + 2 * self.local_kv_heads) * head_dim
+        ShardedLinear.__init__(self, hidden, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard=None):
+        q_rows = self.local_heads * self.head_dim
+        kv_rows = self.local_kv_heads * self.head_dim
+        if shard == "q":
+            dst = param.data.narrow(0, 0, q_rows)
+            src = loaded.narrow(0, self.tp_rank * q_rows, q_rows)
+        else:
+            offset = q_rows if shard == "k" else q_rows + kv_rows
+            dst = param.data.narrow(0, offset, kv_rows)
+            src = loaded.narrow(0, self.kv_head_start * self.head_dim, kv_rows)
+        dst.copy_(src)
+
+
+class RowParallelLinear(ShardedLinear):
+    """Input features cut across ranks; partial sums all-reduced; bias added once."""
+
+    def __init__(self, in_features, out_features, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(_divide(in_features, tp_size), out_features, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard=None):
+        if param.dim() == 1:  # bias: whole on every rank
+            param.data.copy_(loaded)
+            return
+        cols = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
+
+    def forward(self, x):
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = _all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows cut across ranks; rows outside a rank's range come back as zeros and
+    the all-reduce fills them in."""
+
+    def __init__(self, vocab: int, hidden: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.rows = _divide(vocab, tp_size)
+        self.start = tp_rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard=None):
+        param.data.copy_(loaded.narrow(0, self.start, self.rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
+        return _all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over a vocabulary slice; logits gathered to full vocab on every rank."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        dist.all_gather(parts, logits)
+        return torch.cat(parts, dim=-1)
