@@ -18,20 +18,38 @@ CASES = {
     ),
     Code.HEAD_CUT_NOT_DIVISIBLE: (["decode.tp=3"], ["decode.tp=2"]),
     Code.UNIT_MISMATCH_HEAD_DIM: (
-        ["drafter.head_dim=32", "drafter.page_tokens=128",
-         f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d32.k.layer_0,draft.fp32_d32.k.layer_0:{MHA_K0}}}"],
-        ["drafter.head_dim=64", "drafter.page_tokens=128",
-         f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}"],
+        [
+            "drafter.head_dim=32",
+            "drafter.page_tokens=128",
+            f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d32.k.layer_0,draft.fp32_d32.k.layer_0:{MHA_K0}}}",
+        ],
+        [
+            "drafter.head_dim=64",
+            "drafter.page_tokens=128",
+            f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}",
+        ],
     ),
     Code.UNIT_MISMATCH_HEADS: (
-        ["drafter.kv_heads=2", "drafter.page_tokens=128",
-         f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}"],
-        ["drafter.kv_heads=4", "drafter.page_tokens=128",
-         f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}"],
+        [
+            "drafter.kv_heads=2",
+            "drafter.page_tokens=128",
+            f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}",
+        ],
+        [
+            "drafter.kv_heads=4",
+            "drafter.page_tokens=128",
+            f"+transfer.consumer_map={{{MHA_K0}:draft.fp32_d64.k.layer_0,draft.fp32_d64.k.layer_0:{MHA_K0}}}",
+        ],
     ),
     Code.UNIT_MISMATCH_DTYPE: (["decode.kv_dtype=bf16"], ["decode.kv_dtype=bf16", "prefill.kv_dtype=bf16"]),
-    Code.UNIT_MISMATCH_PAGE: (["decode.kv_page_tokens=16"], ["decode.kv_page_tokens=16", "prefill.kv_page_tokens=16"]),
-    Code.UNIT_MISMATCH_BLOCK: (["decode.block_size=256"], ["decode.block_size=256", "prefill.block_size=256"]),
+    Code.UNIT_MISMATCH_PAGE: (
+        ["decode.kv_page_tokens=16"],
+        ["decode.kv_page_tokens=16", "prefill.kv_page_tokens=16"],
+    ),
+    Code.UNIT_MISMATCH_BLOCK: (
+        ["decode.block_size=256"],
+        ["decode.block_size=256", "prefill.block_size=256"],
+    ),
     Code.PAGE_UNDECLARED: (["prefill.kv_page_tokens=null"], ["prefill.kv_page_tokens=128"]),
     Code.PAGE_NOT_DIVIDING_BLOCK: (["drafter.page_tokens=48"], ["drafter.page_tokens=32"]),
     Code.REGION_MISSING: (

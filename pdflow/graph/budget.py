@@ -83,8 +83,12 @@ def block_budget(
         blocks = max(0, (usable - weights - act) // per_block) if per_block else 0
         stages.append(
             StageBudget(
-                stage=stage.index, bytes_per_block=per_block, weight_bytes=weights,
-                activation_bytes=act, usable_bytes=usable, blocks=blocks,
+                stage=stage.index,
+                bytes_per_block=per_block,
+                weight_bytes=weights,
+                activation_bytes=act,
+                usable_bytes=usable,
+                blocks=blocks,
             )
         )
     binding = min(stages, key=lambda s: s.blocks)

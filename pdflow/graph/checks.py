@@ -149,8 +149,7 @@ def check_grid(spec: RunSpec) -> list[Refusal]:
                     message=f"{role}.max_num_batched_tokens={par.max_num_batched_tokens} x "
                     f"{per_rank} KV heads per rank = {rows} attention rows, over the kernel "
                     f"grid limit of {GRID_ROW_LIMIT}.",
-                    fix=f"lower {role}.max_num_batched_tokens to at most "
-                    f"{GRID_ROW_LIMIT // per_rank}.",
+                    fix=f"lower {role}.max_num_batched_tokens to at most {GRID_ROW_LIMIT // per_rank}.",
                 )
             )
     return out

@@ -83,9 +83,7 @@ def _sources(holders: list[tuple[RankPlan, UnitSpec]], dst: UnitSpec):
     yield owner[0], owner[1], tuple(chunk)
 
 
-def build_cut_plans(
-    producer: InstancePlan, consumer: InstancePlan, regions: list[Region]
-) -> list[CutPlan]:
+def build_cut_plans(producer: InstancePlan, consumer: InstancePlan, regions: list[Region]) -> list[CutPlan]:
     holders: dict[str, list[tuple[RankPlan, UnitSpec]]] = defaultdict(list)
     for rank in producer.ranks:
         for unit in rank.units:

@@ -92,25 +92,41 @@ def _rank_units(
         for fld in ("k", "v"):
             units.append(
                 UnitSpec(
-                    family=TARGET, field=fld, layer=layer, heads=heads, head_dim=model.head_dim,
-                    dtype=dtype, page_tokens=par.kv_page_tokens, block_size=par.block_size,
+                    family=TARGET,
+                    field=fld,
+                    layer=layer,
+                    heads=heads,
+                    head_dim=model.head_dim,
+                    dtype=dtype,
+                    page_tokens=par.kv_page_tokens,
+                    block_size=par.block_size,
                 )
             )
         if layer in indexed:
             units.append(
                 UnitSpec(
-                    family=INDEXER, field="key", layer=layer, heads=(),
-                    head_dim=model.indexer_key_dim, dtype=model.indexer_dtype,
-                    page_tokens=par.kv_page_tokens, block_size=par.block_size,
+                    family=INDEXER,
+                    field="key",
+                    layer=layer,
+                    heads=(),
+                    head_dim=model.indexer_key_dim,
+                    dtype=model.indexer_dtype,
+                    page_tokens=par.kv_page_tokens,
+                    block_size=par.block_size,
                 )
             )
     for row in range(drafter.layers if draft_heads else 0):
         for fld in ("k", "v"):
             units.append(
                 UnitSpec(
-                    family=DRAFT, field=fld, layer=row, heads=draft_heads,
-                    head_dim=drafter.head_dim, dtype=draft_dtype(model, par, drafter),
-                    page_tokens=drafter.page_tokens, block_size=par.block_size,
+                    family=DRAFT,
+                    field=fld,
+                    layer=row,
+                    heads=draft_heads,
+                    head_dim=drafter.head_dim,
+                    dtype=draft_dtype(model, par, drafter),
+                    page_tokens=drafter.page_tokens,
+                    block_size=par.block_size,
                 )
             )
     return tuple(units)
@@ -136,21 +152,35 @@ def place_instance(
             heads = rank_heads(model.kv_heads, par.tp, t)
             d_heads = rank_heads(drafter.kv_heads, par.tp, t) if holds_drafter else ()
             units = _rank_units(
-                model=model, par=par, drafter=drafter, layers=range(start, stop),
-                heads=heads, draft_heads=d_heads,
+                model=model,
+                par=par,
+                drafter=drafter,
+                layers=range(start, stop),
+                heads=heads,
+                draft_heads=d_heads,
             )
             ranks.append(
                 RankPlan(
-                    role=role, rank=s * par.tp + t, stage=s, tp_rank=t, heads=heads,
-                    draft_heads=d_heads, units=units,
+                    role=role,
+                    rank=s * par.tp + t,
+                    stage=s,
+                    tp_rank=t,
+                    heads=heads,
+                    draft_heads=d_heads,
+                    units=units,
                 )
             )
         captured = tuple(t for t in taps if start <= t < stop)
         relayed = () if last else tuple(t for t in taps if t < stop)
         stages.append(
             StagePlan(
-                index=s, layer_start=start, layer_stop=stop, ranks=tuple(ranks),
-                taps_captured=captured, taps_relayed=relayed, holds_drafter=holds_drafter,
+                index=s,
+                layer_start=start,
+                layer_stop=stop,
+                ranks=tuple(ranks),
+                taps_captured=captured,
+                taps_relayed=relayed,
+                holds_drafter=holds_drafter,
             )
         )
         start = stop

@@ -39,16 +39,41 @@ def _mismatches(src: list[UnitSpec], dst: list[UnitSpec]) -> list[Refusal]:
     a, b = src[0], dst[0]
     pair = f"producer unit {a.name} -> consumer unit {b.name}"
     checks = [
-        (Code.UNIT_MISMATCH_HEAD_DIM, "head_dim", a.head_dim, b.head_dim,
-         "map units of the same head_dim (check transfer.consumer_map and the drafter's head_dim)."),
-        (Code.UNIT_MISMATCH_DTYPE, "dtype", a.dtype, b.dtype,
-         "give prefill.kv_dtype and decode.kv_dtype the same value (or both auto)."),
-        (Code.UNIT_MISMATCH_PAGE, "page_tokens", a.page_tokens, b.page_tokens,
-         "declare the same page on both sides' bindings (prefill/decode.kv_page_tokens)."),
-        (Code.UNIT_MISMATCH_BLOCK, "block_size", a.block_size, b.block_size,
-         "give prefill.block_size and decode.block_size the same value."),
-        (Code.UNIT_MISMATCH_HEADS, "KV heads", _all_heads(src), _all_heads(dst),
-         "map units with the same KV heads (check transfer.consumer_map)."),
+        (
+            Code.UNIT_MISMATCH_HEAD_DIM,
+            "head_dim",
+            a.head_dim,
+            b.head_dim,
+            "map units of the same head_dim (check transfer.consumer_map and the drafter's head_dim).",
+        ),
+        (
+            Code.UNIT_MISMATCH_DTYPE,
+            "dtype",
+            a.dtype,
+            b.dtype,
+            "give prefill.kv_dtype and decode.kv_dtype the same value (or both auto).",
+        ),
+        (
+            Code.UNIT_MISMATCH_PAGE,
+            "page_tokens",
+            a.page_tokens,
+            b.page_tokens,
+            "declare the same page on both sides' bindings (prefill/decode.kv_page_tokens).",
+        ),
+        (
+            Code.UNIT_MISMATCH_BLOCK,
+            "block_size",
+            a.block_size,
+            b.block_size,
+            "give prefill.block_size and decode.block_size the same value.",
+        ),
+        (
+            Code.UNIT_MISMATCH_HEADS,
+            "KV heads",
+            _all_heads(src),
+            _all_heads(dst),
+            "map units with the same KV heads (check transfer.consumer_map).",
+        ),
     ]
     return [
         Refusal(code=code, message=f"{pair}: {what} {x} != {y}.", fix=fix)

@@ -82,7 +82,16 @@ def _cuts_table(graph: RunGraph) -> Table:
 
 def _budget_table(graph: RunGraph) -> Table:
     table = Table(title="KV block budget (* binds the pool)", title_justify="left")
-    for col in ("side", "stage", "bytes/block", "weights GB", "activations GB", "usable GB", "blocks", "pool"):
+    for col in (
+        "side",
+        "stage",
+        "bytes/block",
+        "weights GB",
+        "activations GB",
+        "usable GB",
+        "blocks",
+        "pool",
+    ):
         table.add_column(col)
     for role, budget in graph.budgets.items():
         for s in budget.stages:

@@ -67,9 +67,7 @@ class RunGraph:
 
     def to_dict(self) -> dict:
         """Plain data for ``pdflow plan --json`` and for logging."""
-        out = {
-            f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "spec"
-        }
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "spec"}
         out["allowed"] = not self.refusals
         return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 DRAFTER_KINDS = ("none", "dspark", "eagle", "eagle3")
 
@@ -18,18 +17,18 @@ class DrafterSpec:
     # "auto" follows the target model's dtype.
     dtype: str = "auto"
     # Page of the drafter's context-KV binding; a drafter with layers must declare it.
-    page_tokens: Optional[int] = None
+    page_tokens: int | None = None
     # Target layers whose hidden states feed the drafter (dspark); None: ``num_taps``
     # spaced evenly from layer 1 to L-3, resolved by the graph.
-    taps: Optional[list[int]] = None
+    taps: list[int] | None = None
     num_taps: int = 0
     # False when the taps come from the drafter checkpoint (eagle3): a PP relay
     # carries only taps declared here, so such a drafter is refused under PP.
     taps_declared: bool = True
     # True when context K/V is written apart from propose (dspark): producers skip propose.
     context_kv_only: bool = False
-    path: Optional[str] = None
-    param_count: Optional[int] = None
+    path: str | None = None
+    param_count: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

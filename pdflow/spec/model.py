@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from omegaconf import MISSING
 
@@ -28,12 +27,12 @@ class ModelSpec:
     kv_dtype: str = "auto"
     weight_dtype: str = "auto"
     max_model_len: int = 4096
-    path: Optional[str] = None
+    path: str | None = None
     # Total parameters when the dense estimate from the geometry is wrong (MoE models).
-    param_count: Optional[int] = None
+    param_count: int | None = None
     # Sparse-attention facts (MiniMax-M3 style): layers that also cache an indexer key
     # per token (None: none do), and that key's width and dtype.
-    indexer_layers: Optional[list[int]] = None
+    indexer_layers: list[int] | None = None
     indexer_key_dim: int = 0
     indexer_dtype: str = "fp8_e4m3"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 GIB = 1 << 30
 PARTITIONS = ("even", "lighter_last")
@@ -16,13 +15,13 @@ class ParallelSpec:
     tp: int = 1
     pp: int = 1
     # Layers per PP stage, explicit; None derives them from ``partition``.
-    layer_partition: Optional[list[int]] = None
+    layer_partition: list[int] | None = None
     # How the graph derives the partition when none is given: "even" (earlier stages
     # take any remainder) or "lighter_last" (the drafter's stage gets ~4/5 of a share).
     partition: str = "even"
     block_size: int = 128
     # Page of the target KV binding; no default on purpose: every binding declares it.
-    kv_page_tokens: Optional[int] = None
+    kv_page_tokens: int | None = None
     # "auto" follows the model dtype.
     kv_dtype: str = "auto"
     max_num_batched_tokens: int = 8192
@@ -33,7 +32,7 @@ class ParallelSpec:
     # CPU-sized defaults (a few hundred MB per rank); GPU experiments set both.
     device_memory_gib: float = 4.0
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
-    num_kv_blocks: Optional[int] = None
+    num_kv_blocks: int | None = None
     attention_backend: str = "torch"
     enable_prefix_caching: bool = True
 

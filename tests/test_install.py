@@ -1,0 +1,92 @@
+"""`pip install .` (not editable) into a fresh venv, then `pdflow plan` from elsewhere."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tracked_copy(dest: Path) -> Path:
+    """Copy what a clean checkout holds (git's tracked files, plus untracked ones not ignored)."""
+    listing = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for rel in listing:
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+@pytest.mark.slow
+def test_non_editable_install_runs_plan_from_another_directory(tmp_path):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout to know which files are tracked")
+    src = tracked_copy(tmp_path / "src")
+    venv = tmp_path / "venv"
+    # System site packages carry the dependencies (no network needed); pdflow itself is
+    # installed from the copied tree, not editable.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    # Build the wheel with this interpreter's setuptools (a fresh venv's may predate
+    # bdist_wheel), then install only that wheel into the venv.
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    wheel = next(dist.glob("pdflow-*.whl"))
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run(
+        [
+            py,
+            "-c",
+            "import pdflow, pdflow.kernels, pdflow.conf; print(pdflow.__file__, pdflow.kernels.__file__)",
+        ],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert str(venv) in where and str(REPO) not in where
+    exe = venv / "bin" / "pdflow"
+    for args, ok in [
+        ((), True),
+        (("+experiment=ref_pp4_tp4_dspark",), True),
+        (("prefill=pp4", "decode=tp4", "drafter=eagle3"), False),
+    ]:
+        out = subprocess.run([exe, "plan", *args], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+        assert (out.returncode == 0) is ok, out.stdout + out.stderr
+        if not ok:
+            assert "EAGLE3_UNDER_PP" in out.stdout + out.stderr
