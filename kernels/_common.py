@@ -29,3 +29,13 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def page_offsets(bt_row_ptr, pos, valid, kvh, s_cb, s_cp, s_ch, s_ct,
+                 PAGE: tl.constexpr, PPB: tl.constexpr):
+    """Element offset of (token ``pos``, KV head ``kvh``) in a paged head-major cache,
+    via the sequence's block table row: page ``block * PPB + off // PAGE``."""
+    blk = tl.load(bt_row_ptr + pos // (PAGE * PPB), mask=valid, other=0).to(tl.int64)
+    off = pos % (PAGE * PPB)
+    return blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct

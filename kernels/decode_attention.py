@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
 from .reference import decode_attention as decode_attention_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
@@ -66,9 +66,7 @@ def _paged_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_ctx = pos < ctx
-        blk = tl.load(bt_ptr + b * s_bt + pos // (PAGE * PPB), mask=in_ctx, other=0).to(tl.int64)
-        off = pos % (PAGE * PPB)
-        tok = blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct
+        tok = page_offsets(bt_ptr + b * s_bt, pos, in_ctx, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = in_ctx[:, None] & d_ok[None, :]
         k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -143,9 +141,12 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, num_splits=None, max_context=None, block_n=None, num_warps=None, num_stages=None,
+    out=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
-    k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D]."""
+    k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
+    ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
+    ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -169,7 +170,8 @@ def paged_attention(
     else:
         k_extra = v_extra = k_cache
         x_strides = (0, 0, 0)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if num_splits == 1:
         target, ml = out, out
         o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
@@ -208,6 +210,8 @@ def paged_attention(
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, **tuning):
     """q [B, H_q, D]: one new token per sequence over its first ``context_lens[b]`` tokens."""
+    if tuning.get("out") is not None:
+        tuning["out"] = tuning["out"][:, None]
     return paged_attention(
         q[:, None], k_cache, v_cache, context_lens, block_tables, scale, **tuning
     )[:, 0]

@@ -1,0 +1,141 @@
+"""Causal prefill attention over the paged cache (prefix hits, chunked prefill, verify).
+
+Flash-attention style: one program per (query tile, sequence, KV head), all on grid
+axis 0 (no 65535 cap however many tokens are batched), heaviest (last) query tiles
+launched first so the causal tail finishes together. A tile's rows are
+``BLOCK_M // G_PAD`` query tokens times the GQA group, so every K/V tile loaded from
+the pages feeds all query heads that share it. KV tiles wholly below the tile's first
+query position run without masks; only the diagonal tiles mask. The chunk's own K/V
+must already be in the cache (store_kv first), as in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
+from .reference import prefill_attention as prefill_attention_reference
+
+__all__ = ["prefill_attention", "prefill_attention_reference"]
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, cu_ptr, lens_ptr, bt_ptr, o_ptr,
+    scale_log2, n_bh, n_m,
+    s_qt, s_qh, s_ot, s_oh,
+    s_cb, s_cp, s_ch, s_ct, s_bt,
+    H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    TOK: tl.constexpr = BLOCK_M // G_PAD
+    pid = tl.program_id(0)
+    mt = n_m - 1 - pid // n_bh
+    bh = pid % n_bh
+    b = bh // H_KV
+    kvh = bh % H_KV
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    ctx = tl.load(lens_ptr + b)
+    base = ctx - q_len  # position of the chunk's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    ti = mt * TOK + rows // G_PAD
+    hh = rows % G_PAD
+    row_ok = (ti < q_len) & (hh < G)
+    qpos = base + ti
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_row = (q_start + ti).to(tl.int64)
+    q = tl.load(
+        q_ptr + (q_row * s_qt + (kvh * G + hh) * s_qh)[:, None] + d[None, :],
+        mask=io_mask, other=0.0,
+    )
+
+    live = mt * TOK < q_len
+    full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
+    diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < full_end
+        tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_i = m_new
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < diag_end
+        tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
+        s = tl.where((pos[None, :] <= qpos[:, None]) & ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A padding row can see nothing in a diagonal tile: keep exp2 away from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = q_row * s_ot + (kvh * G + hh) * s_oh
+    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention(
+    q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+    *, max_seqlen_q=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    out=None,
+):
+    """q [T, H_q, D] (sequences packed by cu_seqlens_q) -> [T, H_q, D], causal over the
+    paged context; pass ``max_seqlen_q`` to skip a device->host read of the lengths."""
+    t, h_q, d = q.shape
+    _, ppb, h_kv, page, dc = k_cache.shape
+    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    bsz = context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if t == 0 or bsz == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    group = h_q // h_kv
+    g_pad = triton.next_power_of_2(group)
+    upcast = interpreting(q)
+    if block_m is None:
+        block_m = 128 if not upcast else 32
+    block_m = max(block_m, g_pad, 16)
+    if block_n is None:
+        block_n = 64 if not upcast else 16
+    n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
+    _prefill_kernel[(n_m * bsz * h_kv,)](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
+        scale * LOG2E, bsz * h_kv, n_m,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:4], block_tables.stride(0),
+        H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
+        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or 3,
+    )
+    return out

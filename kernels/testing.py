@@ -1,0 +1,75 @@
+"""Builders shared by the kernel tests and scripts/bench_kernels.py.
+
+Every cache slot that no sequence owns, and every block-table entry past a sequence's
+last block, holds NaN (through a reserved "poison" block), so a kernel that reads one
+token too far returns NaN and fails the comparison instead of passing silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+from . import reference as ref
+
+KERNEL_MODULES = ("_common", "store_kv", "decode_attention", "block_attention",
+                  "prefill_attention")
+
+
+def use_interpreter_if_no_cuda() -> bool:
+    """Set TRITON_INTERPRET=1 when there is no CUDA device. Triton reads it when a kernel
+    is decorated, so kernel modules imported before this call are re-imported."""
+    if torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    pkg = __name__.rsplit(".", 1)[0]
+    for name in KERNEL_MODULES:
+        mod = sys.modules.get(f"{pkg}.{name}")
+        if mod is not None:
+            importlib.reload(mod)
+    return True
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    """||out - want|| / ||want|| in float64; NaN anywhere gives NaN (never passes)."""
+    out, want = out.double(), want.double()
+    return float((out - want).norm() / want.norm())
+
+
+def make_paged(lens, h_kv, d, page, ppb, dtype, device="cpu", seed=0, spare_blocks=2):
+    """Random K/V for sequences of ``lens`` tokens stored at shuffled blocks of a NaN
+    cache. Returns (k_cache, v_cache, context_lens int32, block_tables int32)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = page * ppb
+    per_seq = [-(-n // bs) for n in lens]
+    nb = sum(per_seq) + spare_blocks
+    perm = torch.randperm(nb, generator=gen)
+    poison = int(perm[-1])  # never written: every unused table entry points at NaN
+    width = max(per_seq) + 1
+    tables = torch.full((len(lens), width), poison, dtype=torch.int32)
+    k_cache = torch.full((nb, ppb, h_kv, page, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    used = 0
+    for b, n in enumerate(lens):
+        blocks = perm[used : used + per_seq[b]]
+        used += per_seq[b]
+        tables[b, : per_seq[b]] = blocks.int()
+        pos = torch.arange(n)
+        slots = blocks[pos // bs].long() * bs + pos % bs
+        k = torch.randn(n, h_kv, d, generator=gen)
+        v = torch.randn(n, h_kv, d, generator=gen)
+        ref.store_kv(k, v, k_cache, v_cache, slots)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return (k_cache.to(device), v_cache.to(device), lens_t.to(device), tables.to(device))
+
+
+def randn(*shape, dtype, device="cpu", seed=1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def as64(*tensors):
+    return [t.double() for t in tensors]
