@@ -34,6 +34,12 @@ class ParallelSpec:
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
+    # torch.distributed rendezvous of this instance's ranks; port 0 picks a free one.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    # Seconds a rank may take to start, and a step to answer, before the instance fails.
+    ready_timeout_s: float = 120.0
+    step_timeout_s: float = 300.0
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -1,0 +1,77 @@
+"""Typed messages between an instance's owner and its ranks (msgspec, never dicts).
+
+The owner (scheduler, block manager) sends each rank the same ``StepInput``; ranks
+exchange activations over torch.distributed; the last stage's first TP rank answers with
+``StepOutput``. Tensors never ride these pipes: only token ids and block bookkeeping.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RankReady(msgspec.Struct, tag=True, kw_only=True):
+    rank: int
+    pid: int
+    num_kv_blocks: int
+
+
+class SamplingSpec(msgspec.Struct, kw_only=True):
+    """What the sampling rank needs per sequence (mirrors the engine's SamplingParams)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class StepInput(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    # Flattened rows whose logits are sampled (a sequence's last known token).
+    sample_rows: list[int]
+    sample_seq_ids: list[int]
+    sampling: list[SamplingSpec]
+    # Sequences finished or aborted since the last step: ranks drop their state.
+    released_seq_ids: list[int] = []
+    # Capture these target layers' hidden states (aux relay); empty: none.
+    capture_taps: bool = False
+
+
+class StepOutput(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+    token_ids: list[int]
+    logprobs: list[float]
+    # Relayed taps for the sampled... all rows, row-major [rows, taps*hidden] as float32
+    # bytes, only when StepInput.capture_taps (tests and the drafter).
+    taps: bytes = b""
+    taps_shape: list[int] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, kw_only=True):
+    reason: str = ""
+
+
+class RankError(msgspec.Struct, tag=True, kw_only=True):
+    rank: int
+    error: str
+
+
+Message = RankReady | StepInput | StepOutput | Shutdown | RankError
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,40 @@
+"""A minimal rank body for launcher tests: joins the process group, then all-reduces
+once per step, so a dead peer leaves the others blocked inside a collective."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdflow.parallel.launcher import Channel, RankContext
+from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
+
+
+def allreduce_rank(ctx: RankContext, channel: Channel) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=ctx.init_method,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=600),
+    )
+    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=0))
+    while True:
+        msg = channel.recv()
+        if isinstance(msg, Shutdown):
+            break
+        assert isinstance(msg, StepInput)
+        value = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(value)
+        if ctx.rank == 0:
+            channel.send(StepOutput(step=msg.step, token_ids=[int(value.item())], logprobs=[0.0]))
+    dist.destroy_process_group()
+
+
+def raising_rank(ctx: RankContext, channel: Channel) -> None:
+    if ctx.rank == 1:
+        raise ValueError("weights for layer 3 are missing")
+    allreduce_rank(ctx, channel)

@@ -1,0 +1,84 @@
+"""The local launcher: readiness, typed messages, and faults that end the instance
+(naming the rank) within a bounded time, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from parallel_probe import allreduce_rank, raising_rank
+
+from pdflow.parallel.launcher import LocalLauncher, RankFailed
+from pdflow.parallel.messages import SamplingSpec, StepInput
+from pdflow.spec.load import compose_spec
+
+
+def step(n: int) -> StepInput:
+    return StepInput(
+        step=n,
+        seq_ids=[0],
+        token_ids=[1],
+        positions=[0],
+        slot_mapping=[0],
+        cu_seqlens_q=[0, 1],
+        context_lens=[1],
+        block_tables=[[0]],
+        sample_rows=[0],
+        sample_seq_ids=[0],
+        sampling=[SamplingSpec()],
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone once its parent reaped it.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def launcher(target, world: int = 4) -> LocalLauncher:
+    spec = compose_spec(["decode.ready_timeout_s=60"])
+    return LocalLauncher(spec, "decode", target, [f"decode.s0.t{r}" for r in range(world)])
+
+
+@pytest.mark.slow
+def test_ranks_answer_steps_and_shut_down_cleanly():
+    inst = launcher(allreduce_rank)
+    readies = inst.start()
+    pids = inst.pids
+    assert sorted(r.rank for r in readies) == [0, 1, 2, 3]
+    for n in range(3):
+        inst.broadcast(step(n))
+        out = inst.recv(0, timeout_s=30)
+        assert out.step == n and out.token_ids == [1 + 2 + 3 + 4]
+    inst.shutdown()
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_instance_naming_it_without_orphans():
+    inst = launcher(allreduce_rank)
+    inst.start()
+    pids = inst.pids
+    inst.broadcast(step(0))
+    inst.recv(0, timeout_s=30)
+    os.kill(pids[2], signal.SIGKILL)  # mid-run: the others block in the next all-reduce
+    inst.broadcast(step(1))
+    began = time.monotonic()
+    with pytest.raises(RankFailed, match=r"decode\.s0\.t2"):
+        inst.recv(0, timeout_s=120)
+    assert time.monotonic() - began < 15
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_rank_that_raises_reports_its_traceback():
+    inst = launcher(raising_rank, world=2)
+    with pytest.raises(RankFailed, match=r"decode\.s0\.t1 failed: raised:(.|\n)*weights for layer 3"):
+        inst.start()
+    assert inst.pids == []
