@@ -50,7 +50,7 @@ def make_paged(lens, h_kv, d, page, ppb, dtype, device="cpu", seed=0, spare_bloc
     poison = int(perm[-1])  # never written: every unused table entry points at NaN
     width = max(per_seq) + 1
     tables = torch.full((len(lens), width), poison, dtype=torch.int32)
-    k_cache = torch.full((nb, ppb, h_kv, page, d), float("nan"), dtype=dtype)
+    k_cache = torch.full((nb, ppb, h_kv, page, d), float("nan"), dtype=dtype, device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
     used = 0
     for b, n in enumerate(lens):
@@ -58,12 +58,26 @@ def make_paged(lens, h_kv, d, page, ppb, dtype, device="cpu", seed=0, spare_bloc
         used += per_seq[b]
         tables[b, : per_seq[b]] = blocks.int()
         pos = torch.arange(n)
-        slots = blocks[pos // bs].long() * bs + pos % bs
-        k = torch.randn(n, h_kv, d, generator=gen)
-        v = torch.randn(n, h_kv, d, generator=gen)
+        slots = (blocks[pos // bs].long() * bs + pos % bs).to(device)
+        k = torch.randn(n, h_kv, d, generator=gen).to(device)
+        v = torch.randn(n, h_kv, d, generator=gen).to(device)
         ref.store_kv(k, v, k_cache, v_cache, slots)
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    return (k_cache.to(device), v_cache.to(device), lens_t.to(device), tables.to(device))
+    return k_cache, v_cache, lens_t.to(device), tables.to(device)
+
+
+def random_paged(batch, ctx, h_kv, d, page, ppb, dtype, device, seed=0):
+    """Timing-only cache: ``batch`` sequences of ``ctx`` tokens on shuffled blocks of a
+    fully random cache (no poison; values do not matter for speed)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per_seq = -(-ctx // (page * ppb))
+    nb = batch * per_seq
+    k_cache = torch.randn(nb, ppb, h_kv, page, d, device=device, dtype=dtype, generator=gen)
+    v_cache = torch.randn(nb, ppb, h_kv, page, d, device=device, dtype=dtype, generator=gen)
+    perm = torch.randperm(nb, device=device, generator=gen)
+    tables = perm.view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return k_cache, v_cache, lens, tables
 
 
 def randn(*shape, dtype, device="cpu", seed=1) -> torch.Tensor:

@@ -1,0 +1,216 @@
+"""Cases for scripts/bench_kernels.py: realistic-shape checks, timings and a bounded sweep.
+
+Bytes and FLOPs follow bench/KERNEL_NOTES.md: decode and block attention count the
+K/V bytes read (the floor), prefill counts causal FLOPs, the KV write counts bytes
+read plus written (as the copy baseline does). ``run`` is the script's Run object.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as ref
+from . import testing as T
+from .block_attention import block_attention
+from .decode_attention import decode_attention
+from .prefill_attention import prefill_attention
+from .store_kv import store_kv
+
+H_Q, H_KV, D, DT = 32, 8, 128, torch.bfloat16
+PAGES = ((16, 8), (128, 1))  # (page_tokens, pages_per_block): 128-token blocks
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _heads(run):
+    return (4, 2, 64) if run.tiny else (H_Q, H_KV, D)
+
+
+def _record(run, name, got, want, dtype):
+    err = T.rel_err(got, want)
+    ok = bool(err < TOL[dtype]) and bool(torch.isfinite(got).all())
+    run.checks.append({"name": name, "err": err, "tol": TOL[dtype], "ok": ok})
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {TOL[dtype]:.0e})",
+          flush=True)
+
+
+def check_all(run) -> None:
+    dev, hq, hkv, d = run.dev, *_heads(run)
+    lens = [40, 1, 33, 17] if run.tiny else [8192, 1, 4099, 777, 3000, 8191, 128, 5000]
+    cases = [(hq, hkv, d, *pg, DT, s) for pg in PAGES for s in (None, 4)]
+    cases += [(hkv, hkv, 64, 16, 8, torch.float16, None), (hkv * 8, hkv, d, 16, 1,
+                                                           torch.float32, 2)]
+    for h_q, h_kv, dd, page, ppb, dt, splits in cases:
+        kc, vc, cl, bt = T.make_paged(lens, h_kv, dd, page, ppb, dt, dev)
+        q = T.randn(len(lens), h_q, dd, dtype=dt, device=dev)
+        got = decode_attention(q, kc, vc, cl, bt, dd**-0.5, num_splits=splits,
+                               out=torch.full_like(q, float("nan")))
+        want = ref.decode_attention(*T.as64(q, kc, vc), cl, bt, dd**-0.5)
+        _record(run, f"decode {h_q}/{h_kv} d{dd} page{page} {dt} splits={splits}", got, want,
+                dt)
+        if dt is DT:
+            kb = 8
+            qb = T.randn(len(lens), kb, h_q, dd, dtype=dt, device=dev, seed=3)
+            kx = T.randn(len(lens), kb, h_kv, dd, dtype=dt, device=dev, seed=4)
+            vx = T.randn(len(lens), kb, h_kv, dd, dtype=dt, device=dev, seed=5)
+            got = block_attention(qb, kx, vx, kc, vc, cl, bt, dd**-0.5, num_splits=splits)
+            want = ref.block_attention(*T.as64(qb, kx, vx, kc, vc), cl, bt, dd**-0.5)
+            _record(run, f"block K={kb} {h_q}/{h_kv} page{page} splits={splits}", got, want, dt)
+    plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
+                                                        [4096, 1000, 1500, 8])
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=dev)
+    for page, ppb in PAGES:
+        kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, dev)
+        q = T.randn(sum(qlens), hq, d, dtype=DT, device=dev)
+        got = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5)
+        want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
+        _record(run, f"prefill {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got, want, DT)
+        n = 100 if run.tiny else 70_000
+        nb = n // (page * ppb) + 2
+        slots = torch.randperm(nb * page * ppb, device=dev)[:n]
+        slots[::7] = -1
+        k = T.randn(n, hkv, d, dtype=DT, device=dev)
+        caches = [torch.full((nb, ppb, hkv, page, d), float("nan"), dtype=DT, device=dev)
+                  for _ in range(4)]
+        store_kv(k, k, caches[0], caches[1], slots)
+        ref.store_kv(k, k, caches[2], caches[3], slots)
+        same = torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+        run.checks.append({"name": f"store_kv page{page} n={n}", "err": 0.0 if same else 1.0,
+                           "tol": 0.0, "ok": same})
+        print(f"  {'ok  ' if same else 'FAIL'} store_kv page{page} n={n}", flush=True)
+
+
+def _safe(run, label, fn, *args, **kwargs):
+    try:
+        return run.time_ms(partial(fn, *args, **kwargs))
+    except Exception as exc:  # one bad variant (e.g. out of shared memory) must not end the run
+        print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return None
+
+
+def bench_copy(run) -> None:
+    n = (1 << 20) if run.tiny else (1 << 30)  # bytes per side
+    src = torch.randn(n // 2, device=run.dev).to(DT)
+    dst = torch.empty_like(src)
+    ms = run.time_ms(lambda: dst.copy_(src))
+    run.copy_tbs = round(2 * n / ms / 1e9, 3)
+    run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
+
+
+def _decode_bytes(b, ctx, hq, hkv, d, isz=2):
+    return 2 * b * ctx * hkv * d * isz + 2 * b * hq * d * isz
+
+
+def _gather_sdpa(q, kc, vc, bt, ctx, hkv, d):
+    """torch baseline: gather pages into contiguous [B, H_kv, L, D], then SDPA."""
+    b = q.shape[0]
+
+    def contiguous(cache):
+        pages = cache[bt.long()]  # [B, blocks, ppb, H, page, D]
+        return pages.permute(0, 3, 1, 2, 4, 5).reshape(b, hkv, -1, d)[:, :, :ctx]
+
+    return F.scaled_dot_product_attention(q[:, :, None], contiguous(kc), contiguous(vc),
+                                          enable_gqa=True)
+
+
+def bench_decode(run) -> None:
+    hq, hkv, d = _heads(run)
+    b = 2 if run.tiny else 64
+    for ctx in ([40] if run.tiny else [2048, 8192, 32768]):
+        nbytes = _decode_bytes(b, ctx, hq, hkv, d)
+        base = g = None
+        if ctx == 8192 or run.tiny:
+            q4 = T.randn(b, hq, 1, d, dtype=DT, device=run.dev)
+            k = torch.randn(b, hkv, ctx, d, device=run.dev, dtype=DT)
+            v = torch.randn_like(k)
+            base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, v,
+                                       enable_gqa=True))
+            run.add("decode sdpa contiguous", f"B{b} ctx{ctx}", base, nbytes=nbytes)
+        for page, ppb in PAGES:
+            kc, vc, cl, bt = T.random_paged(b, ctx, hkv, d, page, ppb, DT, run.dev)
+            q = T.randn(b, hq, d, dtype=DT, device=run.dev)
+            if ctx == 8192 or run.tiny:
+                g = _safe(run, "gather", _gather_sdpa, q, kc, vc, bt, ctx, hkv, d)
+                if g:
+                    run.add("decode torch gather+sdpa", f"B{b} ctx{ctx} page{page}", g,
+                            nbytes=nbytes)
+            ms = _safe(run, "decode", decode_attention, q, kc, vc, cl, bt, d**-0.5)
+            if ms:
+                note = f"vs_baseline: gather+sdpa; sdpa contiguous x{base / ms:.2f}" if base \
+                    else ""
+                run.add("decode triton", f"B{b} ctx{ctx} page{page}", ms, nbytes=nbytes,
+                        baseline=g, note=note)
+
+
+def bench_block(run) -> None:
+    hq, hkv, d = _heads(run)
+    b, kb, ctx = (2, 4, 40) if run.tiny else (64, 8, 8192)
+    for page, ppb in PAGES:
+        kc, vc, cl, bt = T.random_paged(b, ctx, hkv, d, page, ppb, DT, run.dev)
+        q = T.randn(b, kb, hq, d, dtype=DT, device=run.dev)
+        kx = T.randn(b, kb, hkv, d, dtype=DT, device=run.dev)
+        ms = _safe(run, "block", block_attention, q, kx, kx, kc, vc, cl, bt, d**-0.5)
+        if ms:
+            run.add("block (DSpark) triton", f"B{b} K{kb} ctx{ctx} page{page}", ms,
+                    nbytes=_decode_bytes(b, ctx + kb, hq * kb, hkv, d),
+                    flops=4 * b * kb * hq * d * (ctx + kb))
+
+
+def _prefill_case(run, t, page, ppb, prefix=0):
+    hq, hkv, d = _heads(run)
+    kc, vc, cl, bt = T.random_paged(1, prefix + t, hkv, d, page, ppb, DT, run.dev)
+    q = T.randn(t, hq, d, dtype=DT, device=run.dev)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
+    return q, kc, vc, cu, cl, bt
+
+
+def _causal_flops(t, hq, d, prefix=0):
+    """QK^T and PV over the visible (query, key) pairs: 2 matmuls x 2 FLOP x D x H_q."""
+    return 4 * hq * d * (t * prefix + t * (t + 1) // 2)
+
+
+def bench_prefill(run) -> None:
+    hq, hkv, d = _heads(run)
+    for t in ([48] if run.tiny else [2048, 8192]):
+        flops = _causal_flops(t, hq, d)
+        q4 = T.randn(1, hq, t, d, dtype=DT, device=run.dev)
+        k = torch.randn(1, hkv, t, d, device=run.dev, dtype=DT)
+        base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, k, is_causal=True,
+                                   enable_gqa=True))
+        run.add("prefill sdpa causal", f"T{t}", base, flops=flops)
+        for page, ppb in PAGES:
+            args = _prefill_case(run, t, page, ppb)
+            ms = _safe(run, "prefill", prefill_attention, *args, d**-0.5, max_seqlen_q=t)
+            if ms:
+                run.add("prefill triton", f"T{t} page{page}", ms, flops=flops, baseline=base,
+                        note="vs_baseline: sdpa causal")
+    if not run.tiny:  # chunked prefill: 2K new tokens after a 6K cached prefix
+        args = _prefill_case(run, 2048, 16, 8, prefix=6144)
+        ms = _safe(run, "chunk", prefill_attention, *args, d**-0.5, max_seqlen_q=2048)
+        if ms:
+            run.add("prefill triton chunk", "T2048 after 6144 page16", ms,
+                    flops=_causal_flops(2048, hq, d, 6144))
+
+
+def bench_store(run) -> None:
+    hq, hkv, d = _heads(run)
+    n = 64 if run.tiny else 8192
+    for page, ppb in PAGES:
+        nb = n // (page * ppb) + 1
+        kc = torch.empty((nb, ppb, hkv, page, d), dtype=DT, device=run.dev)
+        vc = torch.empty_like(kc)
+        k = T.randn(n, hkv, d, dtype=DT, device=run.dev)
+        slots = torch.arange(n, device=run.dev)
+        ms = _safe(run, "store", store_kv, k, k, kc, vc, slots)
+        if ms:
+            run.add("store_kv triton", f"N{n} page{page}", ms, nbytes=4 * n * hkv * d * 2)
+
+
+def sweep(run) -> None:
+    """Bounded variants; each is also checked against the default config's output."""
+    from .sweep import sweep_all
+
+    sweep_all(run)

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Check, then time, pdflow's Triton KV kernels on one GPU against same-run baselines.
+
+One command for a short GPU lease: correctness on realistic shapes first (float64
+references), then a device-to-device copy (the HBM floor), paged decode (vs copy and
+vs torch gather+SDPA and contiguous SDPA), DSpark block attention, causal prefill (vs
+SDPA causal on unpaged data) and the KV write, then a bounded sweep of block shapes,
+warps, stages and split counts. Prints a short table last and writes results.json and
+results.md under --out. Imports only torch and triton (no hydra): the repo's top-level
+``kernels`` folder is imported directly.
+
+    python scripts/bench_kernels.py --out bench/results/h200          # ~4-5 min
+    python scripts/bench_kernels.py --check-only --out /tmp/k         # ~1 min smoke
+    python scripts/bench_kernels.py --dry-run --out /tmp/k            # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for results.json / results.md")
+    ap.add_argument("--check-only", action="store_true", help="correctness checks only")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes under TRITON_INTERPRET on CPU (tests this script)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="stop starting new timings after this many seconds")
+    return ap.parse_args(argv)
+
+
+class Run:
+    """Holds the shapes for the mode, the timer and the rows collected so far."""
+
+    def __init__(self, args):
+        import torch
+
+        self.args, self.t0, self.rows, self.checks = args, time.time(), [], []
+        self.dev = "cpu" if args.dry_run else "cuda"
+        self.tiny = args.dry_run
+        self.torch = torch
+        self.copy_tbs = None
+
+    def over_budget(self) -> bool:
+        return time.time() - self.t0 > self.args.budget_s
+
+    def time_ms(self, fn) -> float:
+        if self.tiny:
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+    def add(self, kernel, shape, ms, *, nbytes=None, flops=None, baseline=None, note=""):
+        row = {"kernel": kernel, "shape": shape, "ms": round(ms, 4), "note": note}
+        if nbytes is not None:
+            row["TB/s"] = round(nbytes / ms / 1e9, 3)
+            if self.copy_tbs:
+                row["vs_copy"] = round(row["TB/s"] / self.copy_tbs, 3)
+        if flops is not None:
+            row["TFLOP/s"] = round(flops / ms / 1e9, 1)
+        if baseline is not None:
+            row["vs_baseline"] = round(baseline / ms, 3)
+        self.rows.append(row)
+        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))  # the repo's kernels/ folder, not an installed one
+    import torch
+    import triton
+
+    from kernels import benchmarks as cases
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run to exercise this script on CPU")
+        return 2
+    run = Run(args)
+    info = {
+        "device": torch.cuda.get_device_name() if run.dev == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(f"# {info}", flush=True)
+    print("## correctness (float64 references)", flush=True)
+    cases.check_all(run)
+    ok = all(c["ok"] for c in run.checks)
+    if not args.check_only:
+        print("## timings", flush=True)
+        for step in (cases.bench_copy, cases.bench_decode, cases.bench_block,
+                     cases.bench_prefill, cases.bench_store):
+            if run.over_budget():
+                print(f"  budget spent: skipped {step.__name__}")
+                continue
+            step(run)
+        if not args.no_sweep:
+            print("## sweep", flush=True)
+            cases.sweep(run)
+    info["elapsed_s"] = round(time.time() - run.t0, 1)
+    write_results(Path(args.out), info, run)
+    return 0 if ok else 1
+
+
+def write_results(out: Path, info, run) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"info": info, "copy_TB/s": run.copy_tbs, "checks": run.checks, "rows": run.rows}
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    lines = [f"# kernel bench: {info['device']}", "",
+             f"torch {info['torch']}, triton {info['triton']}, {info['elapsed_s']} s, "
+             f"copy {run.copy_tbs} TB/s (read+write)", "",
+             "| check | rel err | tol | ok |", "|---|---|---|---|"]
+    lines += [f"| {c['name']} | {c['err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
+              for c in run.checks]
+    cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "TFLOP/s", "vs_baseline", "note"]
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    # The short table, last on stdout: checks in one line, sweep rows only as BEST.
+    bad = [c["name"] for c in run.checks if not c["ok"]]
+    print(f"\nchecks: {len(run.checks) - len(bad)}/{len(run.checks)} ok"
+          + (f"; FAILED: {bad}" if bad else ""))
+    print(f"copy {run.copy_tbs} TB/s (read+write); {info['elapsed_s']} s")
+    short = [r for r in run.rows if not r["kernel"].startswith("sweep")
+             or r.get("note", "").startswith("BEST")]
+    print("| " + " | ".join(cols) + " |")
+    for r in short:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
