@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--retrieval-fraction", type=float, default=0.35)
-    ap.add_argument("--workers", type=int, default=6, help="data loader processes (0: inline)")
+    ap.add_argument("--workers", type=int, default=-1, help="data loader processes (0: inline; -1: 6, smoke 0)")
     ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--calibrate-steps", type=int, default=30, help="steps timed before sizing the run")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-positions", type=int, default=4096)
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run: few steps, short rows")
@@ -58,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.seq_len, args.batch_size, args.warmup = 256, 4, 2
         args.steps = args.steps or 4
-        args.workers, args.log_every = 0, 1
+        args.log_every = 1
+    if args.workers < 0:
+        args.workers = 0 if args.smoke else 6
     return args
 
 
@@ -140,22 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model = build_model(args).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = make_optimizer(model, args, fused=cuda)
+        torch.cuda.manual_seed_all(args.seed)
     loader = DataLoader(
         DocStream(args.seed, args.seq_len, args.retrieval_fraction),
         batch_size=args.batch_size, num_workers=args.workers, pin_memory=cuda,
         prefetch_factor=8 if args.workers else None, persistent_workers=args.workers > 0,
     )
+    it = iter(loader)  # fork the data workers before CUDA is initialised
+    model = build_model(args).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = make_optimizer(model, args, fused=cuda)
     tokens_per_step = args.batch_size * args.seq_len
     print(f"params {n_params/1e6:.2f}M device {device} tokens/step {tokens_per_step} "
           f"torch {torch.__version__} transformers {transformers.__version__}", flush=True)
     total = args.steps or 10**9
-    calib_at, t_calib0 = 30, None
+    calib_at, calib_from, t_calib0 = args.calibrate_steps, args.calibrate_steps // 3, None
     t_loop = time.time()
-    step, loss_val, loss_ema = 0, float("nan"), None
-    it = iter(loader)
+    step = 0
     model.train()
     while step < total:
         x, y = next(it)
@@ -169,21 +173,20 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if not args.steps and step == 10:
+        if not args.steps and step == calib_from:
             if cuda:
                 torch.cuda.synchronize()
             t_calib0 = time.time()
         if not args.steps and step == calib_at:
             if cuda:
                 torch.cuda.synchronize()
-            per_step = (time.time() - t_calib0) / (calib_at - 10)
+            per_step = (time.time() - t_calib0) / (calib_at - calib_from)
             left = args.time_budget_s - (time.time() - t_loop)
             total = step + max(1, int(0.97 * left / per_step))
             print(f"calibrated: {per_step*1e3:.1f} ms/step, {tokens_per_step/per_step/1e6:.2f}M tok/s "
                   f"-> {total} steps", flush=True)
         if step % args.log_every == 0 or step == total:
             loss_val = loss.item()
-            loss_ema = loss_val if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_val
             el = time.time() - t_loop
             print(f"step {step}/{total} loss {loss_val:.4f} lr {opt.param_groups[0]['lr']:.2e} "
                   f"elapsed {el:.0f}s tok/s {step*tokens_per_step/el/1e6:.2f}M", flush=True)
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0], "smoke": args.smoke,
         "reproduce": f"PYTHONPATH=. python scripts/train_target.py --out OUT --seed {args.seed} "
                      f"--steps {step} --time-budget-s 0 --seq-len {args.seq_len} --batch-size {args.batch_size} "
-                     f"--lr {args.lr} --workers {args.workers}",
+                     f"--lr {args.lr} --warmup {args.warmup} --retrieval-fraction {args.retrieval_fraction} "
+                     f"--workers {args.workers}",
     }
     save(model, Path(args.out), record, args.max_positions)
     print(f"saved {args.out}: {step} steps, {step*tokens_per_step/1e6:.1f}M tokens, loss {loss_val:.4f}, "
