@@ -98,5 +98,5 @@ class LLM:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs),
             text=self.engine.detokenizer.text(seq), finish_reason=seq.finish_reason,
-            num_cached_prompt_tokens=seq.num_cached_tokens,
+            num_cached_prompt_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
         )

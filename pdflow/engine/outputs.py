@@ -29,3 +29,5 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     num_cached_prompt_tokens: int = 0
+    # Times the request gave its blocks back to be recomputed later.
+    num_preemptions: int = 0

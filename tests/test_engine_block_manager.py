@@ -1,0 +1,81 @@
+"""Prefix caching in the block pool: chained hashes, verified hits, ref counts, eviction."""
+
+from __future__ import annotations
+
+import pdflow.engine.block_manager as bm_module
+from pdflow.engine.block_manager import BlockManager
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(request_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                    sampling=SamplingParams())
+
+
+def computed(bm: BlockManager, s: Sequence) -> Sequence:
+    """Allocate and 'compute' the whole sequence, as a finished prefill leaves it."""
+    assert bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.commit(s)
+    return s
+
+
+def test_shared_prefix_hits_full_blocks_and_counts_references():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a = computed(bm, seq(list(range(10)), "a"))  # blocks: [0-3] [4-7] [8,9]
+    b = seq(list(range(8)) + [50, 51, 52], "b")
+    assert bm.match_prefix(b) == 8
+    assert b.block_table == a.block_table[:2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.free(a)
+    assert bm.num_free_blocks == 8 - 2  # the shared two are still b's
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_a_differing_earlier_block_breaks_the_chain():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    computed(bm, seq(list(range(9)), "a"))
+    # Same second block, different first block: chained hashes must not hit block 2.
+    assert bm.match_prefix(seq([9, 9, 9, 9, 4, 5, 6, 7, 1], "b")) == 0
+
+
+def test_the_last_prompt_token_is_always_computed():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    computed(bm, seq(list(range(8)), "a"))
+    # An identical 8-token prompt reuses only its first block: the logits of token 8
+    # need its K/V recomputed in a block of its own.
+    assert bm.match_prefix(seq(list(range(8)), "b")) == 4
+
+
+def test_hash_collisions_are_caught_by_comparing_tokens(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: 42)
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    computed(bm, seq([1, 2, 3, 4, 5], "a"))
+    assert bm.match_prefix(seq([7, 7, 7, 7, 5], "b")) == 0
+    assert bm.match_prefix(seq([1, 2, 3, 4, 6], "c")) == 4
+
+
+def test_freed_cached_blocks_are_reused_until_evicted():
+    bm = BlockManager(num_blocks=3, block_size=BS, enable_prefix_caching=True)
+    a = computed(bm, seq(list(range(9)), "a"))
+    bm.free(a)
+    assert bm.num_free_blocks == 3
+    hit = seq(list(range(8)) + [99], "b")
+    assert bm.match_prefix(hit) == 8
+    bm.free(hit)
+    # A stranger takes the whole pool: the cached blocks are overwritten and forgotten.
+    stranger = computed(bm, seq([100 + i for i in range(12)], "c"))
+    bm.free(stranger)
+    assert bm.match_prefix(seq(list(range(8)) + [99], "d")) == 0
+
+
+def test_allocation_fails_without_side_effects_when_short():
+    bm = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=False)
+    s = seq(list(range(12)))
+    assert not bm.allocate(s, 12)
+    assert s.block_table == [] and bm.num_free_blocks == 2
+    assert bm.allocate(s, 8) and bm.usage == 1.0
