@@ -58,3 +58,19 @@ def test_pool_size_is_the_spec_value_or_what_memory_leaves():
     with pytest.raises(ValueError, match="no room"):
         derive_num_kv_blocks(budget, bytes_per_block=100, weight_bytes=10**8,
                              max_model_len=64, device=torch.device("cpu"))
+
+
+def test_bfloat16_on_cpu_keeps_weights_and_cache_in_bf16():
+    from pdflow import LLM, SamplingParams
+    from pdflow.spec import ModelSpec
+
+    model = ModelSpec(name="t", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=100, max_model_len=256)
+    llm = LLM(model, ParallelSpec(block_size=16, kv_page_tokens=8, num_kv_blocks=16),
+              dtype="bfloat16")
+    assert {p.dtype for p in llm.engine.model.parameters()} == {torch.bfloat16}
+    assert llm.engine.kv.caches[(1, "v")].dtype == torch.bfloat16
+    outs = llm.generate([[1, 2, 3], list(range(40))],
+                        SamplingParams(temperature=0.8, seed=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 and all(0 <= t < 100 for t in o.token_ids) for o in outs)
+    assert llm.num_free_kv_blocks == 16
