@@ -30,6 +30,9 @@ class Detokenizer:
             seq.stop_text_at = min(hits)
         return bool(hits)
 
+    def forget(self, request_id: str) -> None:
+        self.released.pop(request_id, None)
+
     def delta(self, seq: Sequence) -> str:
         """Text not yet released for this sequence."""
         if self.tokenizer is None:
@@ -43,7 +46,7 @@ class Detokenizer:
             hold = max((len(s) for s in seq.sampling.stop), default=1) - 1
             end = max(done, end - hold)
         if seq.finished:
-            self.released.pop(seq.request_id, None)
+            self.forget(seq.request_id)
         else:
             self.released[seq.request_id] = end
         return text[done:end]

@@ -8,20 +8,23 @@ import os
 import torch
 
 from pdflow.spec import ParallelSpec
+from pdflow.spec.parallel import GIB
 
 # Left for activations and allocator slack, as a fraction of the usable bytes.
 ACTIVATION_RESERVE = 0.1
 
 
 def available_bytes(parallel: ParallelSpec, device: torch.device) -> int:
-    """Bytes this instance may use on its device: the spec's share of the device, never
-    more than the machine reports (CPU: available RAM; CUDA: the GPU's total)."""
+    """Bytes this instance may use: ``memory`` bytes, or that fraction of the device
+    (CUDA: the GPU's total; CPU: device_memory_gib, never more than the free RAM)."""
+    if parallel.memory > 1.0:
+        return int(parallel.memory)
     if device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
     else:
-        total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    share = parallel.memory * total if parallel.memory <= 1.0 else parallel.memory
-    return int(min(share, parallel.usable_bytes()) if device.type != "cuda" else share)
+        free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = min(free_ram, parallel.device_memory_gib * GIB)
+    return int(parallel.memory * total)
 
 
 def derive_num_kv_blocks(

@@ -120,6 +120,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self.detokenizer.forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:

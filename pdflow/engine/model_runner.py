@@ -26,9 +26,11 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
     def prepare(self, batch: ScheduledBatch):
-        """Flattened ids/positions, the attention metadata, and the rows to sample."""
+        """Flattened ids/positions, the attention metadata, the sequences to sample and
+        their rows in the flattened batch."""
         bs = self.block_size
-        ids, positions, slots, cu, ctx, sample_rows = [], [], [], [0], [], []
+        ids, positions, slots, cu, ctx = [], [], [], [0], []
+        sampled, sample_rows = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
@@ -38,6 +40,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(end)
             if end == seq.num_tokens:
+                sampled.append(seq)
                 sample_rows.append(cu[-1] - 1)
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
@@ -49,15 +52,13 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
         )
         inputs = (self._tensor(ids, torch.int64), self._tensor(positions, torch.int64))
-        return inputs, meta, sample_rows
+        return inputs, meta, sampled, sample_rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[float]]:
         """Run one step; returns the sampled sequences with their token and its logprob."""
-        (ids, positions), meta, rows = self.prepare(batch)
+        (ids, positions), meta, sampled, rows = self.prepare(batch)
         hidden = self.model(ids, positions, meta)
-        sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                   if s.num_computed_tokens + n == s.num_tokens]
         if not sampled:
             return [], [], []
         logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
