@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdflow.attention.heads import kv_heads_of_rank
+from pdflow.graph.heads import rank_heads
 from pdflow.graph.units import TARGET, UnitSpec
 
 FIELDS = ("k", "v")
@@ -17,7 +17,7 @@ def local_unit_specs(
 ) -> list[UnitSpec]:
     """The target units this rank binds. The run graph will provide these; this is the
     one call site to swap when it does."""
-    heads = tuple(kv_heads_of_rank(num_kv_heads, tp_rank, tp_size))
+    heads = rank_heads(num_kv_heads, tp_size, tp_rank)
     return [
         UnitSpec(
             family=TARGET, field=f, layer=layer, heads=heads, head_dim=head_dim, dtype=dtype,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdflow.attention.heads import kv_heads_of_rank
+from pdflow.graph.heads import heads_divisible, rank_heads
 
 
 def _divide(total: int, parts: int) -> int:
@@ -94,8 +94,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1):
         self.head_dim = head_dim
         self.local_heads = _divide(num_heads, tp_size)
-        kv_heads = kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)
-        self.local_kv_heads, self.kv_head_start = len(kv_heads), kv_heads.start
+        if not heads_divisible(num_kv_heads, tp_size):
+            raise ValueError(f"{num_kv_heads} KV heads neither split over nor replicate "
+                             f"across {tp_size} ranks")
+        kv_heads = rank_heads(num_kv_heads, tp_size, tp_rank)
+        self.local_kv_heads, self.kv_head_start = len(kv_heads), kv_heads[0]
         out = (self.local_heads + 2 * self.local_kv_heads) * head_dim
         ShardedLinear.__init__(self, hidden, out, bias, tp_rank, tp_size)
 
