@@ -51,7 +51,7 @@ def cases():
                 UPCAST=False)
     yield ("decode", DA._paged_split_kernel,
            {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64, "SPLITS": 1}, dec,
-           dict(num_warps=4, num_stages=3), True)
+           dict(num_warps=4, num_stages=4), True)
     yield ("decode split4 page128", DA._paged_split_kernel,
            {**base, "PAGE": 128, "PPB": 1, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
             "SPLITS": 4}, {**dec, "o_ptr": "*fp32"}, dict(num_warps=4, num_stages=3), True)
@@ -62,8 +62,8 @@ def cases():
            dict(part_ptr="*fp32", ml_ptr="*fp32", o_ptr=BF), dict(num_warps=4), False)
     pre = dict(q_ptr=BF, kc_ptr=BF, vc_ptr=BF, cu_ptr="*i32", lens_ptr="*i32",
                bt_ptr="*i32", o_ptr=BF)
-    yield ("prefill", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64}, pre,
-           dict(num_warps=8, num_stages=3), True)
+    yield ("prefill", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 128}, pre,
+           dict(num_warps=8, num_stages=2), True)
     yield ("store_kv", SK._store_kv_kernel,
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
