@@ -50,13 +50,13 @@ def cases():
     base = dict(H_KV=8, G=4, G_PAD=4, D=128, BLOCK_D=128, PAGE=16, PPB=8, DOT_PREC="tf32",
                 UPCAST=False)
     yield ("decode", DA._paged_split_kernel,
-           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64, "SPLITS": 1}, dec,
+           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_X": 16, "SPLITS": 1}, dec,
            dict(num_warps=4, num_stages=4), True)
     yield ("decode split4 page128", DA._paged_split_kernel,
            {**base, "PAGE": 128, "PPB": 1, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
-            "SPLITS": 4}, {**dec, "o_ptr": "*fp32"}, dict(num_warps=4, num_stages=3), True)
+            "BLOCK_X": 16, "SPLITS": 4}, {**dec, "o_ptr": "*fp32"}, dict(num_warps=4, num_stages=3), True)
     yield ("block K8", DA._paged_split_kernel,
-           {**base, "NQ": 8, "NX": 8, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": 1}, dec,
+           {**base, "NQ": 8, "NX": 8, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_X": 16, "SPLITS": 1}, dec,
            dict(num_warps=4, num_stages=3), True)
     yield ("merge", DA._merge_splits_kernel, dict(D=128, BLOCK_D=128, SPLITS=4, S_PAD=4),
            dict(part_ptr="*fp32", ml_ptr="*fp32", o_ptr=BF), dict(num_warps=4), False)
