@@ -1,4 +1,4 @@
-"""Compile the kernels for sm_90 (H100/H200) without a GPU, and check they pipeline.
+"""Compile the kernels (and the TMA prefill variants) for sm_90 (H100/H200) without a GPU, and check they pipeline.
 
 ``python -m pdflow.kernels.aot_check`` (or ``python kernels/aot_check.py``) builds the
 decode, merge, prefill and KV-write kernels at their Llama-like bf16 configs through
@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 
 from . import decode_attention as DA  # noqa: E402
 from . import prefill_attention as PA  # noqa: E402
+from . import prefill_variants as PV  # noqa: E402
 from . import store_kv as SK  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -39,7 +40,7 @@ def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), **opts):
            for n in names}
     cx = {(names.index(n),): v for n, v in consts.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n.startswith("s_") or n.endswith("_ptr")}
+             if n.startswith("s_") or sig[n].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
     return triton.compile(src, target=SM90, options=opts)
 
@@ -64,6 +65,17 @@ def cases():
                bt_ptr="*i32", o_ptr=BF)
     yield ("prefill", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 128}, pre,
            dict(num_warps=8, num_stages=2), True)
+    var = {**base, "BLOCK_M": 128, "BLOCK_N": 128, "LOOP_STAGES": 0, "WS": False,
+           "PERSISTENT": False, "PRESCALE": False}
+    vptr = {k: v for k, v in pre.items() if k not in ("kc_ptr", "vc_ptr")}
+    desc4 = "tensordesc<bf16[8,1,16,128]>"
+    yield ("prefill variant tma page16", PV._prefill_variant_kernel,
+           {**var, "KV_MODE": 1, "NP": 8, "PG": 16}, {**vptr, "k_src": desc4, "v_src": desc4},
+           dict(num_warps=8, num_stages=2), True)
+    desc2 = "tensordesc<bf16[128,128]>"
+    yield ("prefill variant tma2d page128 persistent", PV._prefill_variant_kernel,
+           {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "NP": 1, "PG": 128, "PERSISTENT": True},
+           {**vptr, "k_src": desc2, "v_src": desc2}, dict(num_warps=8, num_stages=2), True)
     yield ("store_kv", SK._store_kv_kernel,
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
@@ -74,7 +86,7 @@ def main() -> int:
     bad = 0
     for name, fn, consts, ptrs, opts, want_async in cases():
         k = compile_sm90(fn, consts, ptrs, ("scale_log2",), **opts)
-        n_async = k.asm["ttgir"].count("async_copy_global_to_local")
+        n_async = k.asm["ttgir"].count("copy_global_to_local")  # cp.async or TMA
         ok = k.metadata.shared <= SMEM_LIMIT and (n_async > 0 or not want_async)
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B, "

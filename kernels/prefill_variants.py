@@ -1,0 +1,268 @@
+"""Prefill attention variants aimed at SDPA parity on Hopper, selectable by the bench sweep.
+
+The default prefill kernel (prefill_attention.py) gathers K/V rows through pointers
+(cp.async) and reached 0.68x SDPA on the H200. The variants here keep its tiling (rows =
+query tokens x GQA group, heaviest causal tiles first, unmasked loop then diagonal loop)
+and change one thing each, so one GPU run can say which helps:
+
+- ``kv="tma"``: K/V tiles come through host tensor descriptors (TMA) over the cache
+  viewed as ``[num_blocks * pages_per_block, H_kv, page, D]``; a tile is one box of
+  ``BLOCK_N // page`` pages of one head (needs ``block_size % BLOCK_N == 0``).
+  ``kv="tma2d"`` (page == block only): rows of ``[num_blocks * H_kv * page, D]``, a
+  plain 2D box, so no reshape sits between the copy and the dot.
+- ``loop_stages``/``warp_specialize``: the K/V loops as ``tl.range`` with their own
+  pipeline depth and (triton >= 3.4 API) warp specialisation.
+- ``prescale``: Q is multiplied by ``scale * log2(e)`` once, so each S tile goes
+  straight into exp2 (normalisation is deferred to the end in every variant).
+- ``persistent``: one program per SM walks the heavy-first tile list round robin.
+
+Every variant falls back to pointer loads where a descriptor cannot describe the tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
+
+__all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
+
+try:  # host-side descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+
+def tma_supported() -> bool:
+    return TensorDescriptor is not None
+
+
+def ws_supported() -> bool:
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+@triton.jit
+def _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
+             H_KV: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr,
+             NP: tl.constexpr, PG: tl.constexpr):
+    """K and V of tokens n0 .. n0 + BLOCK_N of one head (all valid blocks of the table)."""
+    if KV_MODE == 0:
+        pos = n0 + tl.arange(0, BLOCK_N)
+        tok = page_offsets(bt_row, pos, pos < n0 + BLOCK_N, kvh, s_cb, s_cp, s_ch, s_ct, PAGE,
+                           PPB)
+        k = tl.load(k_src + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_src + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        blk = tl.load(bt_row + n0 // (PAGE * PPB))
+        off = n0 % (PAGE * PPB)
+        if KV_MODE == 1:
+            page = blk * PPB + off // PAGE
+            k = k_src.load([page, kvh, off % PAGE, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_src.load([page, kvh, off % PAGE, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            row = (blk * H_KV + kvh) * PAGE + off
+            k = k_src.load([row, 0])
+            v = v_src.load([row, 0])
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, m_i, l_i, acc, scale_log2, ok, pos, qpos, MASKED: tl.constexpr,
+            PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    s = mma(q, tl.trans(k), DOT_PREC, UPCAST)
+    if not PRESCALE:
+        s = s * scale_log2
+    if MASKED:
+        s = tl.where((pos[None, :] <= qpos[:, None]) & ok[None, :], s, float("-inf"))
+        # Descriptor loads are not masked: drop V rows past the context (NaN-safe).
+        v = tl.where(ok[:, None], v, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2, n_bh, n_m,
+          s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
+          H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
+          NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
+          PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    TOK: tl.constexpr = BLOCK_M // G_PAD
+    mt = n_m - 1 - tile // n_bh
+    bh = tile % n_bh
+    b = bh // H_KV
+    kvh = bh % H_KV
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    ctx = tl.load(lens_ptr + b)
+    base = ctx - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    ti = mt * TOK + rows // G_PAD
+    hh = rows % G_PAD
+    row_ok = (ti < q_len) & (hh < G)
+    qpos = base + ti
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_row = (q_start + ti).to(tl.int64)
+    q = tl.load(q_ptr + (q_row * s_qt + (kvh * G + hh) * s_qh)[:, None] + d[None, :],
+                mask=io_mask, other=0.0)
+    if PRESCALE:
+        q = (q.to(tl.float32) * scale_log2).to(q.dtype)
+
+    live = mt * TOK < q_len
+    full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
+    diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    if LOOP_STAGES == 0:
+        for n0 in range(0, full_end, BLOCK_N):
+            k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
+                                    False, PRESCALE, DOT_PREC, UPCAST)
+    elif WS:
+        for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=True):
+            k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
+                                    False, PRESCALE, DOT_PREC, UPCAST)
+    else:
+        for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES):
+            k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
+                                    False, PRESCALE, DOT_PREC, UPCAST)
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        pos = n0 + cols
+        ok = pos < diag_end
+        if KV_MODE == 0:  # pointer loads are masked (and never leave the table)
+            tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+            kv_mask = ok[:, None] & d_ok[None, :]
+            k = tl.load(k_src + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_src + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, ok, pos, qpos,
+                                True, PRESCALE, DOT_PREC, UPCAST)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = q_row * s_ot + (kvh * G + hh) * s_oh
+    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _prefill_variant_kernel(
+    q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr,
+    scale_log2, n_bh, n_m, n_prog,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
+    H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
+    NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
+    PERSISTENT: tl.constexpr, PRESCALE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        for tile in range(pid, n_m * n_bh, n_prog):
+            _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
+                  n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
+                  H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
+                  LOOP_STAGES, WS, PRESCALE, DOT_PREC, UPCAST)
+    else:
+        _tile(pid, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
+              n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
+              H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
+              LOOP_STAGES, WS, PRESCALE, DOT_PREC, UPCAST)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else 4
+
+
+def _kv_sources(k_cache, v_cache, kv: str, block_n: int):
+    """(mode, k source, v source, NP, PG): descriptors when the tile is one box."""
+    nb, ppb, h_kv, page, d = k_cache.shape
+    bs = page * ppb
+    np_, pg = max(1, block_n // page), min(page, block_n)
+    fits = (kv != "ptr" and TensorDescriptor is not None and bs % block_n == 0
+            and d == triton.next_power_of_2(d) and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+    if fits and kv == "tma2d" and ppb == 1:
+        shape = [nb * h_kv * page, d]
+        mk = lambda c: TensorDescriptor(c, shape, [d, 1], [block_n, d])  # noqa: E731
+        return 2, mk(k_cache), mk(v_cache), np_, pg
+    if fits:
+        shape = [nb * ppb, h_kv, page, d]
+        strides = [h_kv * page * d, page * d, d, 1]
+        mk = lambda c: TensorDescriptor(c, shape, strides, [np_, 1, pg, d])  # noqa: E731
+        return 1, mk(k_cache), mk(v_cache), np_, pg
+    return 0, k_cache, v_cache, np_, pg
+
+
+def prefill_attention_variant(
+    q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
+    max_seqlen_q=None, kv="ptr", loop_stages=0, warp_specialize=False, persistent=False,
+    prescale=False, block_m=128, block_n=128, num_warps=8, num_stages=2, out=None,
+):
+    """Same contract as ``prefill_attention``; the keywords pick the variant (module doc);
+    ``variant_kv_mode`` says which K/V path a call takes."""
+    t, h_q, d = q.shape
+    _, ppb, h_kv, page, dc = k_cache.shape
+    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    if warp_specialize and not ws_supported():
+        raise RuntimeError(f"tl.range(warp_specialize=) needs a newer triton than {triton.__version__}")
+    bsz = context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if t == 0 or bsz == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    group = h_q // h_kv
+    g_pad = triton.next_power_of_2(group)
+    upcast = interpreting(q)
+    block_m = max(block_m, g_pad, 16)
+    mode, k_src, v_src, np_, pg = _kv_sources(k_cache, v_cache, kv, block_n)
+    n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
+    tiles = n_m * bsz * h_kv
+    n_prog = min(tiles, _sm_count(q.device)) if persistent else tiles
+    _prefill_variant_kernel[(n_prog,)](
+        q, k_src, v_src, cu_seqlens_q, context_lens, block_tables, out,
+        scale * LOG2E, bsz * h_kv, n_m, n_prog,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:4], block_tables.stride(0),
+        H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n, KV_MODE=mode, NP=np_, PG=pg,
+        LOOP_STAGES=loop_stages, WS=bool(warp_specialize), PERSISTENT=bool(persistent),
+        PRESCALE=bool(prescale), DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def variant_kv_mode(k_cache, kv: str, block_n: int) -> str:
+    """Which K/V path a call would take ("ptr", "tma", "tma2d"): the bench labels rows."""
+    mode = _kv_sources(k_cache, k_cache, kv, block_n)[0]
+    return ("ptr", "tma", "tma2d")[mode]
