@@ -5,10 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import torch
 
-from pdflow.engine.kv_budget import ACTIVATION_RESERVE, derive_num_kv_blocks
 from pdflow.spec import ParallelSpec
 from pdflow.spec.load import compose_spec
 
@@ -29,7 +27,7 @@ def test_llm_from_run_spec_serves_a_random_model_of_the_spec_geometry():
     from pdflow import LLM, SamplingParams
 
     spec = compose_spec(["model=tiny", "model.path=null", "decode=tp1", "decode.num_kv_blocks=12",
-                         "decode.kv_page_tokens=32"])
+                         "decode.kv_page_tokens=32", "prefill.kv_page_tokens=32", "drafter=none"])
     llm = LLM.from_run_spec(spec)
     assert llm.num_kv_blocks == 12 and llm.kv_usage == 0.0
     cfg = llm.engine.config
@@ -43,21 +41,17 @@ def test_llm_from_run_spec_serves_a_random_model_of_the_spec_geometry():
     assert max(seen_usage) > 0 and llm.num_free_kv_blocks == 12
 
 
-def test_pool_size_is_the_spec_value_or_what_memory_leaves():
-    fixed = ParallelSpec(num_kv_blocks=7)
-    assert derive_num_kv_blocks(fixed, bytes_per_block=1, weight_bytes=0, max_model_len=64,
-                                device=torch.device("cpu")) == 7
-    budget = ParallelSpec(memory=10_000_000.0, block_size=16, max_num_seqs=1000)
-    got = derive_num_kv_blocks(budget, bytes_per_block=100_000, weight_bytes=1_000_000,
-                               max_model_len=4096, device=torch.device("cpu"))
-    assert got == int((10_000_000 * (1 - ACTIVATION_RESERVE) - 1_000_000) // 100_000)
-    # Never more than max_num_seqs full-length sequences could use.
-    capped = ParallelSpec(memory=10_000_000.0, block_size=16, max_num_seqs=2)
-    assert derive_num_kv_blocks(capped, bytes_per_block=100, weight_bytes=0,
-                                max_model_len=64, device=torch.device("cpu")) == 2 * 4
-    with pytest.raises(ValueError, match="no room"):
-        derive_num_kv_blocks(budget, bytes_per_block=100, weight_bytes=10**8,
-                             max_model_len=64, device=torch.device("cpu"))
+def test_pool_size_is_the_graphs_budget():
+    from pdflow import LLM
+    from pdflow.graph import build_graph
+
+    spec = compose_spec(["model.path=null", "decode=tp1", "decode.memory=0.02", "drafter=none"])
+    budget = build_graph(spec).budgets["decode"]
+    assert not budget.fixed and budget.pool_blocks > 0
+    llm = LLM.from_run_spec(spec)
+    assert llm.num_kv_blocks == budget.pool_blocks
+    fixed = compose_spec(["model.path=null", "decode=tp1", "decode.num_kv_blocks=7", "drafter=none"])
+    assert LLM.from_run_spec(fixed).num_kv_blocks == 7
 
 
 def test_bfloat16_on_cpu_keeps_weights_and_cache_in_bf16():

@@ -9,8 +9,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pdflow.attention.backends import get_backend  # noqa: E402
-from pdflow.attention.kv_cache import KVCacheBinding, local_unit_specs  # noqa: E402
+from pdflow.attention.kv_cache import KVCacheBinding  # noqa: E402
 from pdflow.attention.metadata import AttentionMetadata  # noqa: E402
+from pdflow.graph.heads import rank_heads  # noqa: E402
+from pdflow.graph.units import UnitSpec  # noqa: E402
 from pdflow.model.config import DecoderConfig  # noqa: E402
 from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
 from pdflow.model.loader import build_model  # noqa: E402
@@ -18,6 +20,15 @@ from pdflow.model.paths import resolve_model_path  # noqa: E402
 from pdflow.model.rope import inverse_frequencies  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+def local_unit_specs(*, layers, num_kv_heads, tp_rank, tp_size, head_dim, dtype, page_tokens,
+                     block_size) -> list[UnitSpec]:
+    """A rank's target units, as the run graph would place them (for stages built by hand)."""
+    heads = rank_heads(num_kv_heads, tp_size, tp_rank)
+    return [UnitSpec(family="mha", field=f, layer=layer, heads=heads, head_dim=head_dim,
+                     dtype=dtype, page_tokens=page_tokens, block_size=block_size)
+            for layer in layers for f in ("k", "v")]
 
 
 def prefill_logits(model, ids: torch.Tensor, page_tokens: int = 16) -> torch.Tensor:

@@ -4,32 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pdflow.graph.heads import rank_heads
-from pdflow.graph.units import TARGET, UnitSpec
+from pdflow.graph.units import UnitSpec
 
 FIELDS = ("k", "v")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def local_unit_specs(
-    *, layers: range, num_kv_heads: int, tp_rank: int, tp_size: int, head_dim: int,
-    dtype: str, page_tokens: int | None, block_size: int,
-) -> list[UnitSpec]:
-    """The target units this rank binds. The run graph will provide these; this is the
-    one call site to swap when it does."""
-    heads = rank_heads(num_kv_heads, tp_size, tp_rank)
-    return [
-        UnitSpec(
-            family=TARGET, field=f, layer=layer, heads=heads, head_dim=head_dim, dtype=dtype,
-            page_tokens=page_tokens, block_size=block_size,
-        )
-        for layer in layers
-        for f in FIELDS
-    ]
-
-
-def bytes_per_block(units: list[UnitSpec]) -> int:
-    return sum(u.bytes_per_block for u in units)
 
 
 class KVCacheBinding:

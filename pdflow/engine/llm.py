@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.spec import ModelSpec, ParallelSpec, RunSpec
+from pdflow.model.config import DecoderConfig
+from pdflow.model.paths import resolve_model_path
+from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
+from pdflow.spec.dtypes import canonical_dtype
 
 # Used when no ParallelSpec is given: one page per block, as the decode configs have it.
 DEFAULT_PARALLEL = dict(block_size=128, kv_page_tokens=128)
@@ -15,26 +19,61 @@ DEFAULT_PARALLEL = dict(block_size=128, kv_page_tokens=128)
 Prompt = str | list[int]
 
 
+def run_spec_for(
+    model: str | ModelSpec, parallel: ParallelSpec, *, dtype: str = "auto",
+    max_model_len: int | None = None, seed: int = 0,
+) -> RunSpec:
+    """A one-instance run spec: ``model`` as a checkpoint folder (``pdflow:...`` for a
+    packaged one) or a ModelSpec (no path: random init), served with ``parallel``."""
+    if isinstance(model, str):
+        folder = resolve_model_path(model)
+        cfg = DecoderConfig.from_file(folder)
+        if dtype == "auto":
+            dtype = cfg.torch_dtype or "float32"
+        wanted = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        model = cfg.to_model_spec(
+            name=folder.name, path=model, dtype=canonical_dtype(dtype), max_model_len=wanted
+        )
+    else:
+        model = copy.copy(model)
+        if dtype != "auto":
+            model.dtype = model.kv_dtype = canonical_dtype(dtype)
+        if max_model_len is not None:
+            model.max_model_len = max_model_len
+    return RunSpec(
+        model=model, prefill=parallel, decode=parallel, drafter=DrafterSpec(), seed=seed,
+        name="llm",
+    )
+
+
 class LLM:
-    """One engine instance driven to completion in this process. Prompts are strings
-    (encoded with the checkpoint's tokenizer) or token-id lists."""
+    """One engine instance driven to completion by this process (its ranks run in their
+    own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
+    checkpoint's tokenizer) or token-id lists."""
 
     def __init__(
         self, model: str | ModelSpec, parallel: ParallelSpec | None = None, *,
         dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
     ):
         parallel = parallel if parallel is not None else ParallelSpec(**DEFAULT_PARALLEL)
-        self.engine = LLMEngine(
-            model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed
-        )
+        spec = run_spec_for(model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        self.engine = LLMEngine(spec)
 
     @classmethod
-    def from_run_spec(cls, spec: RunSpec, **kwargs) -> LLM:
-        """The decode side of a run: its model (path, or random init) and parallel spec."""
-        kwargs.setdefault("dtype", spec.model.dtype)
-        kwargs.setdefault("max_model_len", spec.model.max_model_len)
-        kwargs.setdefault("seed", spec.seed)
-        return cls(spec.model, spec.decode, **kwargs)
+    def from_run_spec(cls, spec: RunSpec, role: str = "decode") -> LLM:
+        """One side of a run (the decode side by default), as the run graph places it."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(spec, role=role)
+        return llm
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

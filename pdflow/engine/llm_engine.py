@@ -7,71 +7,57 @@ import itertools
 import torch
 
 from pdflow.attention.backends import get_backend
-from pdflow.attention.kv_cache import (
-    TORCH_DTYPES,
-    KVCacheBinding,
-    bytes_per_block,
-    local_unit_specs,
-)
+from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
 from pdflow.engine.block_manager import BlockManager
 from pdflow.engine.detokenizer import Detokenizer
-from pdflow.engine.kv_budget import derive_num_kv_blocks
 from pdflow.engine.model_runner import ModelRunner
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.scheduler import Scheduler
 from pdflow.engine.sequence import Sequence
+from pdflow.engine.step_input import build_step_input
+from pdflow.graph import CONSUMER, PRODUCER, build_graph
+from pdflow.graph.units import TARGET
 from pdflow.model.config import DecoderConfig
 from pdflow.model.loader import build_model
 from pdflow.model.paths import resolve_model_path
 from pdflow.model.tokenizer import load_tokenizer
-from pdflow.spec import ModelSpec, ParallelSpec
-from pdflow.spec.dtypes import canonical_dtype
+from pdflow.spec import RunSpec
 
 
 class LLMEngine:
-    """``model``: a checkpoint folder (``pdflow:...`` for a packaged one), or a ModelSpec
-    without a path for a randomly initialised model of that geometry."""
+    """One serving instance (one side of a run spec): the owner's scheduler and block
+    manager, and an executor that runs the model in this process (TP1/PP1) or on one
+    process per rank. Placement, KV units and the block count come from the run graph."""
 
-    def __init__(
-        self, model: str | ModelSpec, parallel: ParallelSpec, *, dtype: str = "auto",
-        max_model_len: int | None = None, seed: int = 0,
-    ):
-        if parallel.tp != 1 or parallel.pp != 1:
-            raise NotImplementedError("one engine instance is TP1/PP1 for now")
-        if parallel.kv_page_tokens is None:
-            raise ValueError("set parallel.kv_page_tokens: every KV binding declares its page")
+    def __init__(self, spec: RunSpec, *, role: str = CONSUMER):
+        if role not in (PRODUCER, CONSUMER):
+            raise ValueError(f"role must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
+        self.spec, self.role = spec, role
+        parallel = spec.decode if role == CONSUMER else spec.prefill
         self.parallel = parallel
-        self.device = torch.device(parallel.device)
-        folder, cfg = self._locate(model)
-        if dtype == "auto":
-            dtype = cfg.torch_dtype or "float32"
-        self.dtype = canonical_dtype(dtype)
+        self.graph = build_graph(spec).raise_if_refused()
+        folder = resolve_model_path(spec.model.path) if spec.model.path else None
+        cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(spec.model)
+        cfg.check_matches(spec.model)
         self.config = cfg
-        self.model = build_model(
-            cfg, folder=folder, dtype=TORCH_DTYPES[self.dtype], device=self.device, seed=seed
-        )
+        self.dtype = spec.model.dtype
+        self.device = torch.device(parallel.device)
         self.tokenizer = load_tokenizer(folder) if folder is not None else None
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        kv_dtype = self.dtype if parallel.kv_dtype == "auto" else canonical_dtype(parallel.kv_dtype)
-        units = local_unit_specs(
-            layers=self.model.layer_range, num_kv_heads=cfg.num_kv_heads, tp_rank=0, tp_size=1,
-            head_dim=cfg.head_dim, dtype=kv_dtype, page_tokens=parallel.kv_page_tokens,
-            block_size=parallel.block_size,
-        )
-        wanted_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        num_blocks = derive_num_kv_blocks(
-            parallel, bytes_per_block=bytes_per_block(units), weight_bytes=weight_bytes,
-            max_model_len=wanted_len, device=self.device,
-        )
+        num_blocks = self.graph.budgets[role].pool_blocks
+        wanted_len = min(spec.model.max_model_len, cfg.max_position_embeddings)
         # One sequence must always fit in the pool, or preemption could never free enough.
         self.max_model_len = min(wanted_len, num_blocks * parallel.block_size)
-        self.kv = KVCacheBinding(units, num_blocks, self.device)
-        self.kv.bind(self.model.attention_layers(), get_backend(parallel.attention_backend))
+        if parallel.world_size == 1:
+            self.runner = self._local_runner(cfg, folder, num_blocks)
+        else:
+            from pdflow.parallel.executor import DistributedExecutor
+
+            self.runner = DistributedExecutor(spec, role)
         self.blocks = BlockManager(
             num_blocks=num_blocks, block_size=parallel.block_size,
             enable_prefix_caching=parallel.enable_prefix_caching,
@@ -80,18 +66,25 @@ class LLMEngine:
             self.blocks, max_num_batched_tokens=parallel.max_num_batched_tokens,
             max_num_seqs=parallel.max_num_seqs,
         )
-        self.runner = ModelRunner(self.model, block_size=parallel.block_size, device=self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        self._steps = itertools.count()
+        self._released: list[str] = []
 
-    @staticmethod
-    def _locate(model: str | ModelSpec):
-        if isinstance(model, ModelSpec):
-            if model.path is None:
-                return None, DecoderConfig.from_model_spec(model)
-            model = model.path
-        folder = resolve_model_path(model)
-        return folder, DecoderConfig.from_file(folder)
+    def _local_runner(self, cfg: DecoderConfig, folder, num_blocks: int) -> ModelRunner:
+        rank = self.graph.rank(self.role, 0)
+        self.model = build_model(
+            cfg, folder=folder, dtype=TORCH_DTYPES[self.dtype], device=self.device,
+            seed=self.spec.seed,
+        )
+        units = [u for u in rank.units if u.family == TARGET]
+        self.kv = KVCacheBinding(units, num_blocks, self.device)
+        self.kv.bind(self.model.attention_layers(), get_backend(self.parallel.attention_backend))
+        return ModelRunner(self.model, device=self.device)
+
+    def shutdown(self) -> None:
+        """Stop the executor's rank processes (no-op in process)."""
+        self.runner.shutdown()
 
     # -- requests -------------------------------------------------------------------
 
@@ -120,6 +113,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self._released.append(request_id)
         self.detokenizer.forget(request_id)
         return True
 
@@ -133,7 +127,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
-        sampled, tokens, logprobs = self.runner.execute(batch)
+        step, sampled = build_step_input(
+            batch, block_size=self.parallel.block_size, step=next(self._steps),
+            released=self._released,
+        )
+        self._released = []
+        result = self.runner.execute(step)
+        tokens, logprobs = result.token_ids, result.logprobs
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
@@ -144,6 +144,7 @@ class LLMEngine:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+                self._released.append(seq.request_id)
             outputs.append(TokenOutput(
                 request_id=seq.request_id, index=seq.num_output_tokens - 1, token_id=token,
                 logprob=logprob, text=self.detokenizer.delta(seq), finished=seq.finished,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pdflow.engine.sampling_params import SamplingParams
+from pdflow.parallel.messages import SamplingSpec
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
     """The distribution a non-greedy request samples from, for one row of logits [V]:
     softmax(logits / T), then the ``top_k`` most likely tokens, then the smallest set
     of the most likely whose mass reaches ``top_p``; renormalised."""
@@ -35,7 +35,7 @@ class Sampler:
     their tokens do not depend on the rest of the batch."""
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list
+        self, logits: torch.Tensor, params: list[SamplingSpec], generators: list
     ) -> tuple[list[int], list[float]]:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -95,6 +95,30 @@ class DecoderConfig:
             qk_norm=spec.architecture in QK_NORM_ARCHITECTURES,
         )
 
+    def to_model_spec(self, *, name: str, path: str | None, dtype: str, max_model_len: int):
+        """The run graph's view of this checkpoint (geometry only)."""
+        from pdflow.spec import ModelSpec
+
+        return ModelSpec(
+            name=name, architecture=self.architecture, layers=self.num_layers,
+            hidden=self.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=self.intermediate_size, vocab=self.vocab_size,
+            dtype=dtype, max_model_len=max_model_len, path=path,
+        )
+
+    def check_matches(self, spec) -> None:
+        """Refuse a ModelSpec whose geometry disagrees with the checkpoint it points at:
+        the graph would place heads and size units for a model that is not there."""
+        pairs = {
+            "layers": self.num_layers, "hidden": self.hidden_size, "heads": self.num_heads,
+            "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate": self.intermediate_size, "vocab": self.vocab_size,
+        }
+        wrong = {k: (getattr(spec, k), v) for k, v in pairs.items() if getattr(spec, k) != v}
+        if wrong:
+            detail = ", ".join(f"{k}: spec {a} vs checkpoint {b}" for k, (a, b) in wrong.items())
+            raise ValueError(f"model spec {spec.name!r} disagrees with {spec.path}: {detail}")
+
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",

@@ -134,10 +134,24 @@ class CausalLM(nn.Module):
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """Token ids [T] on the first stage, hidden states [T, hidden] on later ones.
         Returns hidden states (normed on the last stage)."""
+        return self.forward_with_taps(inputs, positions, meta, ())[0]
+
+    def forward_with_taps(
+        self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Also return the residual stream after each layer in ``taps`` (global ids held by
+        this stage, in order): what a drafter reads from the target."""
         x = self.model.embed_tokens(inputs) if self.model.is_first else inputs
-        for layer in self.model.layers.values():
+        captured = []
+        for index, layer in self.model.layers.items():
             x = layer(x, positions, meta)
-        return self.model.norm(x) if self.model.is_last else x
+            if int(index) in taps:
+                captured.append(x)
+        if len(captured) != len(taps):
+            held = list(self.model.layers)
+            raise ValueError(f"taps {list(taps)} are not all among this stage's layers {held}")
+        return (self.model.norm(x) if self.model.is_last else x), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

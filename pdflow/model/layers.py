@@ -21,10 +21,20 @@ def _divide(total: int, parts: int) -> int:
     return total // parts
 
 
+# The process group of this rank's TP peers (its PP stage); None: the default group.
+_TP_GROUP = None
+
+
+def set_tp_group(group) -> None:
+    """Called by a rank before it builds its stage (several stages share one world)."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -169,5 +179,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         import torch.distributed as dist
 
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits)
+        dist.all_gather(parts, logits, group=_TP_GROUP)
         return torch.cat(parts, dim=-1)

@@ -17,17 +17,22 @@ class RankReady(msgspec.Struct, tag=True, kw_only=True):
 
 
 class SamplingSpec(msgspec.Struct, kw_only=True):
-    """What the sampling rank needs per sequence (mirrors the engine's SamplingParams)."""
+    """What the sampling rank needs per sequence (the sampling half of SamplingParams)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
 
 class StepInput(msgspec.Struct, tag=True, kw_only=True):
     step: int
-    seq_ids: list[int]
+    # Request ids, in batch order.
+    seq_ids: list[str]
     token_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
@@ -36,10 +41,10 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     block_tables: list[list[int]]
     # Flattened rows whose logits are sampled (a sequence's last known token).
     sample_rows: list[int]
-    sample_seq_ids: list[int]
+    sample_seq_ids: list[str]
     sampling: list[SamplingSpec]
     # Sequences finished or aborted since the last step: ranks drop their state.
-    released_seq_ids: list[int] = []
+    released_seq_ids: list[str] = []
     # Capture these target layers' hidden states (aux relay); empty: none.
     capture_taps: bool = False
 
@@ -48,8 +53,8 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     step: int
     token_ids: list[int]
     logprobs: list[float]
-    # Relayed taps for the sampled... all rows, row-major [rows, taps*hidden] as float32
-    # bytes, only when StepInput.capture_taps (tests and the drafter).
+    # The last stage's relayed taps for every row of the step, [rows, taps * hidden] as
+    # float32 bytes, only when StepInput.capture_taps (tests; the drafter reads them in place).
     taps: bytes = b""
     taps_shape: list[int] = []
 

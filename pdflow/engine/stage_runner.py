@@ -1,0 +1,67 @@
+"""Runs one StepInput through this process's model stage.
+
+The same code serves a whole model in one process and one rank of a TP/PP instance:
+tensors come from the plain message, the stage's tap layers are captured on the way, and
+the last stage turns the sampled rows into tokens with per-request generators.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdflow.attention.metadata import AttentionMetadata
+from pdflow.engine.sampler import Sampler, make_generator
+from pdflow.model.decoder import CausalLM
+from pdflow.parallel.messages import StepInput
+
+
+class StageRunner:
+    def __init__(self, model: CausalLM, device: torch.device, capture_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.device = device
+        self.capture_layers = tuple(capture_layers)
+        self.sampler = Sampler()
+        # Seeded requests' generators live where sampling happens, keyed by request id.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        meta = AttentionMetadata(
+            decode_only=step.cu_seqlens_q[-1] == len(step.seq_ids),
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
+            context_lens=self._tensor(step.context_lens, torch.int32),
+            block_tables=self._tensor(step.block_tables, torch.int32),
+        )
+        ids = self._tensor(step.token_ids, torch.int64)
+        return ids, self._tensor(step.positions, torch.int64), meta
+
+    def forward(
+        self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        taps_in: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states out of this stage, and the taps relayed so far (earlier stages'
+        then this stage's, in tap order), or None when there are none."""
+        hidden, captured = self.model.forward_with_taps(inputs, positions, meta, self.capture_layers)
+        parts = ([taps_in] if taps_in is not None else []) + captured
+        return hidden, (torch.cat(parts, dim=-1) if parts else None)
+
+    def logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor | None:
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(step.sample_rows, torch.int64)])
+
+    def sample(self, step: StepInput, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
+        for rid in step.released_seq_ids:
+            self.generators.pop(rid, None)
+        if logits is None:
+            return [], []
+        generators = []
+        for rid, params in zip(step.sample_seq_ids, step.sampling, strict=True):
+            if params.seed is not None and rid not in self.generators:
+                self.generators[rid] = make_generator(params.seed, self.device)
+            generators.append(self.generators.get(rid))
+        return self.sampler(logits, step.sampling, generators)

@@ -1,0 +1,51 @@
+"""One scheduled batch as the plain message every executor runs (in process or per rank)."""
+
+from __future__ import annotations
+
+from pdflow.engine.scheduler import ScheduledBatch
+from pdflow.engine.sequence import Sequence
+from pdflow.parallel.messages import SamplingSpec, StepInput
+
+
+def build_step_input(
+    batch: ScheduledBatch, *, block_size: int, step: int, released: list[str]
+) -> tuple[StepInput, list[Sequence]]:
+    """Flattened ids/positions/slots of the batch's new tokens, its block tables, and the
+    sequences sampled this step (those whose last known token is computed now)."""
+    ids, positions, slots, cu, ctx = [], [], [], [0], []
+    sampled: list[Sequence] = []
+    rows: list[int] = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        cu.append(cu[-1] + n)
+        ctx.append(end)
+        if end == seq.num_tokens:
+            sampled.append(seq)
+            rows.append(cu[-1] - 1)
+    width = max(len(seq.block_table) for seq in batch.seqs)
+    tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+    message = StepInput(
+        step=step,
+        seq_ids=[s.request_id for s in batch.seqs],
+        token_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        context_lens=ctx,
+        block_tables=tables,
+        sample_rows=rows,
+        sample_seq_ids=[s.request_id for s in sampled],
+        sampling=[
+            SamplingSpec(
+                temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                top_p=s.sampling.top_p, seed=s.sampling.seed,
+            )
+            for s in sampled
+        ],
+        released_seq_ids=released,
+    )
+    return message, sampled

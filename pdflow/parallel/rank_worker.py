@@ -1,0 +1,109 @@
+"""The body of one rank process: its stage of the model, its KV units, its step loop.
+
+Everything it places (layers, heads, units, taps, block count) it asks the run graph,
+rebuilt from the resolved spec it was handed. Hidden states, and the drafter taps
+captured so far, go stage to stage over torch.distributed; the last stage samples and
+its first TP rank answers the owner.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdflow.attention.backends import get_backend
+from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
+from pdflow.engine.stage_runner import StageRunner
+from pdflow.graph import build_graph
+from pdflow.graph.units import TARGET
+from pdflow.model.config import DecoderConfig
+from pdflow.model.layers import set_tp_group
+from pdflow.model.loader import build_model
+from pdflow.model.paths import resolve_model_path
+from pdflow.parallel.groups import topology, tp_group_ranks
+from pdflow.parallel.launcher import Channel, RankContext
+from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(kind)
+
+
+def serve_rank(ctx: RankContext, channel: Channel) -> None:
+    spec, role = ctx.spec, ctx.role
+    graph = build_graph(spec).raise_if_refused()
+    plan = graph.instance(role)
+    me = plan.ranks[ctx.rank]
+    stage = plan.stages[me.stage]
+    topo = topology(plan, me)
+    par = spec.prefill if role == "prefill" else spec.decode
+    device = _device(par.device, ctx.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Ranks of a 2-core CPU machine share it; one thread each avoids oversubscription.
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=ctx.init_method,
+        rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=par.step_timeout_s),
+    )
+    mine = None
+    for ranks in tp_group_ranks(plan):  # every rank creates every group, in one order
+        group = dist.new_group(list(ranks))
+        if me.rank in ranks:
+            mine = group
+    set_tp_group(mine if par.tp > 1 else None)
+
+    folder = resolve_model_path(spec.model.path) if spec.model.path else None
+    cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(spec.model)
+    dtype = TORCH_DTYPES[spec.model.dtype]
+    model = build_model(
+        cfg, folder=folder, dtype=dtype, device=device, layer_range=stage.layers,
+        tp_rank=me.tp_rank, tp_size=par.tp, seed=spec.seed,
+    )
+    num_blocks = graph.budgets[role].pool_blocks
+    kv = KVCacheBinding([u for u in me.units if u.family == TARGET], num_blocks, device)
+    kv.bind(model.attention_layers(), get_backend(par.attention_backend))
+    runner = StageRunner(model, device, capture_layers=stage.taps_captured)
+    relayed_in = len(plan.stages[me.stage - 1].taps_relayed) if me.stage > 0 else 0
+    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=num_blocks))
+
+    with torch.inference_mode():
+        while True:
+            msg = channel.recv()
+            if isinstance(msg, Shutdown):
+                break
+            if not isinstance(msg, StepInput):
+                raise TypeError(f"rank {me.label} got {type(msg).__name__}, expected StepInput")
+            ids, positions, meta = runner.tensors(msg)
+            taps_in = None
+            if topo.is_first_stage:
+                inputs = ids
+            else:
+                inputs = torch.empty(len(msg.token_ids), cfg.hidden_size, dtype=dtype, device=device)
+                dist.recv(inputs, src=topo.prev_rank)
+                if relayed_in:
+                    taps_in = torch.empty(
+                        len(msg.token_ids), relayed_in * cfg.hidden_size, dtype=dtype, device=device
+                    )
+                    dist.recv(taps_in, src=topo.prev_rank)
+            hidden, taps = runner.forward(inputs, positions, meta, taps_in)
+            if not topo.is_last_stage:
+                dist.send(hidden.contiguous(), dst=topo.next_rank)
+                if stage.taps_relayed:
+                    dist.send(taps.contiguous(), dst=topo.next_rank)
+                continue
+            logits = runner.logits(msg, hidden)  # every TP rank joins the vocab all-gather
+            if topo.is_driver:
+                tokens, logprobs = runner.sample(msg, logits)
+                out = StepOutput(step=msg.step, token_ids=tokens, logprobs=logprobs)
+                if msg.capture_taps and taps is not None:
+                    host = taps.float().cpu().contiguous()
+                    out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
+                channel.send(out)
+    dist.destroy_process_group()
