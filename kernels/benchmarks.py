@@ -139,6 +139,7 @@ def bench_decode(run) -> None:
                             nbytes=nbytes)
             ms = _safe(run, "decode", decode_attention, q, kc, vc, cl, bt, d**-0.5)
             if ms:
+                run.decode_ms = {**getattr(run, "decode_ms", {}), (ctx, page): ms}
                 note = f"vs_baseline: gather+sdpa; sdpa contiguous x{base / ms:.2f}" if base \
                     else ""
                 run.add("decode triton", f"B{b} ctx{ctx} page{page}", ms, nbytes=nbytes,
@@ -153,10 +154,12 @@ def bench_block(run) -> None:
         q = T.randn(b, kb, hq, d, dtype=DT, device=run.dev)
         kx = T.randn(b, kb, hkv, d, dtype=DT, device=run.dev)
         ms = _safe(run, "block", block_attention, q, kx, kx, kc, vc, cl, bt, d**-0.5)
-        if ms:
+        dec = getattr(run, "decode_ms", {}).get((ctx, page))
+        if ms:  # goal: <= 1.1x a plain decode step on the same context (vs_baseline >= 0.91)
             run.add("block (DSpark) triton", f"B{b} K{kb} ctx{ctx} page{page}", ms,
                     nbytes=_decode_bytes(b, ctx + kb, hq * kb, hkv, d),
-                    flops=4 * b * kb * hq * d * (ctx + kb))
+                    flops=4 * b * kb * hq * d * (ctx + kb), baseline=dec,
+                    note="vs_baseline: decode step, same context" if dec else "")
 
 
 def _prefill_case(run, t, page, ppb, prefix=0):
@@ -181,6 +184,7 @@ def bench_prefill(run) -> None:
         base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, k, is_causal=True,
                                    enable_gqa=True))
         run.add("prefill sdpa causal", f"T{t}", base, flops=flops)
+        run.sdpa_ms = {**getattr(run, "sdpa_ms", {}), t: base}
         for page, ppb in PAGES:
             args = _prefill_case(run, t, page, ppb)
             ms = _safe(run, "prefill", prefill_attention, *args, d**-0.5, max_seqlen_q=t)

@@ -16,15 +16,15 @@ import torch
 from . import testing as T
 from .decode_attention import decode_attention
 from .prefill_attention import prefill_attention
+from .prefill_variants import prefill_attention_variant, variant_kv_mode
 
 # (block_n, num_warps, num_stages)
-DECODE_TILES = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3),
-                (128, 8, 2), (32, 2, 4)]
-DECODE_SPLITS = [1, 2, 4, 8]
+# The first H200 run swept 8 tiles x 4 splits (bn64 w4 st4 splits1 won, 4.43 TB/s); keep
+# the top few so the lease goes to the prefill variants.
+DECODE_TILES = [(64, 4, 4), (64, 4, 3), (128, 4, 3), (32, 2, 4)]
+DECODE_SPLITS = [1, 2]
 # (block_m, block_n, num_warps, num_stages)
-PREFILL_TILES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3),
-                 (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3),
-                 (128, 128, 8, 2)]
+PREFILL_TILES = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3)]
 
 
 def _variant(run, kernel, shape, fn, default_out, nbytes=None, flops=None, cfg="", params=None):
@@ -91,11 +91,64 @@ def sweep_prefill(run, page, ppb, tiles):
     _best(run, rows)
 
 
+# Prefill variants (prefill_variants.py), riskiest last: a compiler abort there loses
+# only the rows after it (the script writes results after every step).
+BIG = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+PREFILL_VARIANTS = [
+    dict(kv="ptr"), dict(kv="tma"), dict(kv="tma2d"), dict(kv="tma2d", prescale=True),
+    dict(kv="tma2d", persistent=True), dict(kv="tma2d", loop_stages=3),
+    dict(kv="tma2d", block_n=64, num_stages=3), dict(kv="tma2d", num_warps=4),
+    dict(kv="tma2d", prescale=True, persistent=True),
+    dict(kv="tma2d", loop_stages=2, warp_specialize=True),
+]
+
+
+def _label(kw, mode):
+    extra = [f"{k}={v}" for k, v in kw.items() if k != "kv" and BIG.get(k) != v]
+    return " ".join([mode, *extra])
+
+
+def sweep_prefill_variants(run, page, ppb, t=None):
+    """Each variant vs SDPA causal timed in the same run (run.sdpa_ms); ``tma2d`` falls
+    back to the 4D page boxes below page == block, so page 16 runs each as "tma"."""
+    hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
+    t = t or (48 if run.tiny else 8192)
+    kc, vc, cl, bt = T.random_paged(1, t, hkv, d, page, ppb, torch.bfloat16, run.dev)
+    q = T.randn(t, hq, d, dtype=torch.bfloat16, device=run.dev)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
+    default = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t)
+    flops = 4 * hq * d * t * (t + 1) // 2
+    base = getattr(run, "sdpa_ms", {}).get(t)
+    rows, seen = [], set()
+    for variant in PREFILL_VARIANTS:
+        kw = {**BIG, **variant}
+        if run.tiny:
+            kw.update(block_m=32, block_n=16, num_warps=4, num_stages=1)
+        mode = variant_kv_mode(kc, kw["kv"], kw["block_n"])
+        cfg = _label({**kw, "kv": mode}, mode)
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        fn = partial(prefill_attention_variant, q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t,
+                     **kw)
+        row = _variant(run, "variant prefill", f"T{t} page{page}", fn, default, flops=flops,
+                       cfg=cfg, params=kw)
+        if row and base:
+            row["vs_baseline"] = round(base / row["ms"], 3)
+        rows.append(row)
+        run.checkpoint()
+    _best(run, rows)
+
+
 def sweep_all(run) -> None:
     if run.tiny:
         sweep_decode(run, 16, 2, DECODE_TILES[:2], [1, 2])
         sweep_prefill(run, 16, 2, [(32, 16, 4, 1), (16, 16, 4, 1)])
+        sweep_prefill_variants(run, 16, 1)
         return
+    # The prefill variants first: they are what this run is for (issue 6, round 2).
+    sweep_prefill_variants(run, 128, 1)
+    sweep_prefill_variants(run, 16, 8)
     rows = [r for r in sweep_decode(run, 16, 8, DECODE_TILES, DECODE_SPLITS) if r]
     sweep_prefill(run, 16, 8, PREFILL_TILES)
     # Page 128: only the three best page-16 decode configs.
@@ -104,4 +157,4 @@ def sweep_all(run) -> None:
         p = r["params"]
         sweep_decode(run, 128, 1, [(p["block_n"], p["num_warps"], p["num_stages"])],
                      [p["num_splits"]])
-    sweep_prefill(run, 128, 1, PREFILL_TILES[:4])
+    sweep_prefill(run, 128, 1, PREFILL_TILES[:2])

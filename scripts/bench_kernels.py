@@ -9,7 +9,7 @@ warps, stages and split counts. Prints a short table last and writes results.jso
 results.md under --out. Imports only torch and triton (no hydra): the repo's top-level
 ``kernels`` folder is imported directly.
 
-    python scripts/bench_kernels.py --out bench/results/h200          # ~4-5 min
+    python scripts/bench_kernels.py --out bench/results/h200          # ~3-4 min
     python scripts/bench_kernels.py --check-only --out /tmp/k         # ~1 min smoke
     python scripts/bench_kernels.py --dry-run --out /tmp/k            # CPU, tiny shapes
 """
@@ -48,6 +48,12 @@ class Run:
         self.tiny = args.dry_run
         self.torch = torch
         self.copy_tbs = None
+        self.info = None
+
+    def checkpoint(self) -> None:
+        """Write what we have so far: a crash later (a compiler abort) keeps these rows."""
+        if self.info is not None:
+            write_results(Path(self.args.out), {**self.info, "partial": True}, self, quiet=True)
 
     def over_budget(self) -> bool:
         return time.time() - self.t0 > self.args.budget_s
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(f"# {info}", flush=True)
+    run.info = {**info, "elapsed_s": None}
     print("## correctness (float64 references)", flush=True)
     cases.check_all(run)
     ok = all(c["ok"] for c in run.checks)
@@ -110,6 +117,7 @@ def main(argv=None) -> int:
                 print(f"  budget spent: skipped {step.__name__}")
                 continue
             step(run)
+            run.checkpoint()
         if not args.no_sweep:
             print("## sweep", flush=True)
             cases.sweep(run)
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def write_results(out: Path, info, run) -> None:
+def write_results(out: Path, info, run, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"info": info, "copy_TB/s": run.copy_tbs, "checks": run.checks, "rows": run.rows}
     (out / "results.json").write_text(json.dumps(payload, indent=1))
@@ -132,6 +140,8 @@ def write_results(out: Path, info, run) -> None:
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+    if quiet:
+        return
     # The short table, last on stdout: checks in one line, sweep rows only as BEST.
     bad = [c["name"] for c in run.checks if not c["ok"]]
     print(f"\nchecks: {len(run.checks) - len(bad)}/{len(run.checks)} ok"
