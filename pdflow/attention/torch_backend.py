@@ -1,16 +1,128 @@
-"""The ``torch`` backend: the reference ops of ``pdflow.kernels.reference``, as they are."""
+"""The ``torch`` backend: batched paged attention in plain torch (the CPU serving path).
+
+Same signatures and results as ``pdflow.kernels.reference`` (the oracle, which loops
+over sequences for clarity), but every op is batched: the K/V of all sequences are
+gathered with one ``index_select`` of cache rows, decode runs two batched matmuls with
+an additive length mask, and prefill runs one masked ``scaled_dot_product_attention``
+over the sequences padded to the longest chunk. The index and mask tensors come from
+``paged_plan`` once per step (memoised on the identity of the metadata tensors, which
+every layer of a step shares) and the gather buffers are reused by every layer, so a
+decode step allocates no large tensor per layer.
+
+The memo keys on tensor identity: metadata tensors must not be changed in place once
+built (``AttentionMetadata`` builds new ones every step). One backend instance serves
+one model's layers, run one at a time.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
+from pdflow.attention import paged_plan as plans
 from pdflow.attention.backends import register_backend
 from pdflow.kernels import reference
 
 
+class _Memo:
+    """The plan built from the last metadata tensors seen (held, so ids stay unique)."""
+
+    def __init__(self):
+        self._key: tuple = ()
+        self._plans: dict = {}
+
+    def get(self, tensors: tuple, extra, build):
+        if len(tensors) != len(self._key) or any(a is not b for a, b in zip(tensors, self._key, strict=True)):
+            self._key, self._plans = tensors, {}
+        plan = self._plans.get(extra)
+        if plan is None:
+            plan = self._plans[extra] = build()
+        return plan
+
+
 class TorchBackend:
     name = "torch"
-    store_kv = staticmethod(reference.store_kv)
-    prefill_attention = staticmethod(reference.prefill_attention)
-    decode_attention = staticmethod(reference.decode_attention)
+    block_attention = staticmethod(reference.block_attention)
+
+    def __init__(self):
+        self._store, self._decode, self._prefill = _Memo(), _Memo(), _Memo()
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _buffer(self, which: str, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A reusable flat buffer, grown when short: large per-layer allocations cost
+        page faults on CPU."""
+        key = (which, like.dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+    def _gather(self, cache: torch.Tensor, gather: plans.GatherPlan, which: str):
+        """[B, H_kv, L, D] of every planned sequence (contiguous)."""
+        _, _, h_kv, _, d = cache.shape
+        out = self._buffer(which, cache, gather.rows.numel() * d).view(-1, d)
+        torch.index_select(cache.view(-1, d), 0, gather.rows, out=out)
+        return out.view(gather.batch, h_kv, gather.length, d)
+
+    # -- ops ----------------------------------------------------------------------------
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]``; -1 skips it."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        geo = plans.Geometry.of(k_cache)
+        plan = self._store.get((slot_mapping,), geo, lambda: plans.store_plan(slot_mapping, geo))
+        d = k_cache.shape[-1]
+        for src, cache in ((k, k_cache), (v, v_cache)):
+            if plan.keep is not None:
+                src = src[plan.keep]
+            cache.view(-1, d).index_copy_(0, plan.rows, src.reshape(-1, d).to(cache.dtype))
+
+    def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale):
+        """One query per sequence ([B, H_q, D]) over its first ``context_lens[b]`` tokens."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return reference.decode_attention(q, k_cache, v_cache, context_lens, block_tables,
+                                              scale)
+        acc = plans.acc_dtype(q.dtype)
+        geo = plans.Geometry.of(k_cache)
+        plan = self._decode.get(
+            (context_lens, block_tables), (geo, acc),
+            lambda: plans.decode_plan(context_lens, block_tables, geo, acc),
+        )
+        b, h_q, d = q.shape
+        h_kv = geo.num_kv_heads
+        k = self._gather(k_cache, plan.gather, "k").to(acc).flatten(0, 1)  # [B*H_kv, L, D]
+        v = self._gather(v_cache, plan.gather, "v").to(acc).flatten(0, 1)
+        # GQA: the query heads sharing KV head h are rows of one [group, D] matrix.
+        qg = q.to(acc).reshape(b * h_kv, h_q // h_kv, d)
+        scores = torch.baddbmm(plan.bias, qg, k.transpose(1, 2), alpha=scale)
+        out = torch.bmm(torch.softmax(scores, dim=-1), v)
+        return out.view(b, h_q, d).to(q.dtype)
+
+    def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                          scale):
+        """Causal attention of each sequence's new tokens over its whole paged context
+        (prefix-cache hits, chunked prefill, verify chunks); chunk K/V already stored."""
+        if q.shape[0] == 0 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                               block_tables, scale)
+        acc = plans.acc_dtype(q.dtype)
+        geo = plans.Geometry.of(k_cache)
+        plan = self._prefill.get(
+            (cu_seqlens_q, context_lens, block_tables), (geo, acc),
+            lambda: plans.prefill_plan(cu_seqlens_q, context_lens, block_tables, geo, acc),
+        )
+        t, h_q, d = q.shape
+        k = self._gather(k_cache, plan.gather, "k").to(acc)
+        v = self._gather(v_cache, plan.gather, "v").to(acc)
+        qp = q.to(acc)[plan.q_rows].transpose(1, 2)  # [B', H_q, max_q, D]
+        out = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=plan.bias, scale=scale, enable_gqa=h_q != geo.num_kv_heads
+        )
+        out = out.transpose(1, 2).reshape(-1, h_q, d)  # [B' * max_q, H_q, D]
+        return out.index_select(0, plan.out_rows).to(q.dtype)
 
 
 register_backend("torch", TorchBackend)
