@@ -27,9 +27,9 @@ def _prompts(n=6):
     return [torch.randint(3, 120, (k,), generator=gen).tolist() for k in (5, 17, 40, 64, 130, 300)[:n]]
 
 
-def _llm(backend, page):
+def _llm(backend, page, enforce_eager=True):
     spec = ParallelSpec(device="cuda", block_size=128, kv_page_tokens=page, num_kv_blocks=64,
-                        attention_backend=backend)
+                        attention_backend=backend, enforce_eager=enforce_eager)
     return LLM(MODEL, spec, dtype="bfloat16")
 
 
@@ -60,35 +60,13 @@ def test_triton_greedy_equals_torch_bf16(page):
         assert margin < TIE, f"triton and torch differ at a clear choice (margin {margin})"
 
 
-def _graph_execute(runner, graphs):
-    """The hook ModelRunner.execute needs (see pdflow/engine/cuda_graphs.py)."""
-    from pdflow.parallel.messages import StepOutput
-
-    @torch.inference_mode()
-    def execute(step):
-        ids, positions, meta = runner.stage.tensors(step)
-        if graphs.can_run(meta):
-            hidden = graphs.run(ids, positions, meta)
-        else:
-            hidden, _ = runner.stage.forward(ids, positions, meta)
-        tokens, logprobs = runner.stage.sample(step, runner.stage.logits(step, hidden))
-        return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
-
-    return execute
-
-
 @pytest.mark.parametrize("page", [16, 128])
 def test_cuda_graph_decode_equals_eager(page):
     prompts = _prompts(5)
     eager = [o.token_ids for o in _llm("triton", page).generate(prompts, GREEDY)]
-    llm = _llm("triton", page)
-    engine = llm.engine
-    if not hasattr(engine.runner, "stage"):
-        pytest.skip("ModelRunner has no .stage: update the graph hook here")
-    assert graphs_supported(engine.model, engine.device)
-    width = -(-engine.max_model_len // engine.parallel.block_size)
-    graphs = DecodeGraphRunner(engine.model, 8, width, engine.device)
-    engine.runner.execute = _graph_execute(engine.runner, graphs)
+    llm = _llm("triton", page, enforce_eager=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs_supported(llm.engine.model, llm.engine.device)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert graphs.replays > 0 and graphs.graphs
     assert got == eager

@@ -80,7 +80,11 @@ class LLMEngine:
         units = [u for u in rank.units if u.family == TARGET]
         self.kv = KVCacheBinding(units, num_blocks, self.device)
         self.kv.bind(self.model.attention_layers(), get_backend(self.parallel.attention_backend))
-        return ModelRunner(self.model, device=self.device)
+        width = None if self.parallel.enforce_eager else -(-self.max_model_len // self.parallel.block_size)
+        return ModelRunner(
+            self.model, device=self.device, max_num_seqs=self.parallel.max_num_seqs,
+            block_table_width=width,
+        )
 
     def shutdown(self) -> None:
         """Stop the executor's rank processes (no-op in process)."""

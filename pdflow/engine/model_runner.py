@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import torch
 
+from pdflow.engine.cuda_graphs import DecodeGraphRunner, graphs_supported
 from pdflow.engine.stage_runner import StageRunner
 from pdflow.model.decoder import CausalLM
 from pdflow.parallel.messages import StepInput, StepOutput
 
 
 class ModelRunner:
-    """Runs each StepInput locally; the distributed executor answers the same calls."""
+    """Runs each StepInput locally; the distributed executor answers the same calls.
 
-    def __init__(self, model: CausalLM, *, device: torch.device):
+    Decode steps replay CUDA graphs (one per batch-size bucket) when the device is CUDA,
+    the backend is triton and ``block_table_width`` is given; everything else runs eagerly.
+    """
+
+    def __init__(
+        self, model: CausalLM, *, device: torch.device, max_num_seqs: int = 256,
+        block_table_width: int | None = None,
+    ):
         self.stage = StageRunner(model, device)
+        self.graphs = (
+            DecodeGraphRunner(model, max_num_seqs, block_table_width, device)
+            if block_table_width and graphs_supported(model, device)
+            else None
+        )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         ids, positions, meta = self.stage.tensors(step)
-        hidden, _ = self.stage.forward(ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(ids, positions, meta)  # the graph's buffer: use it now
+        else:
+            hidden, _ = self.stage.forward(ids, positions, meta)
         tokens, logprobs = self.stage.sample(step, self.stage.logits(step, hidden))
         return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
 

@@ -34,6 +34,8 @@ class ParallelSpec:
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
+    # True: never replay CUDA graphs for decode steps (they need CUDA and the triton backend).
+    enforce_eager: bool = False
     # torch.distributed rendezvous of this instance's ranks; port 0 picks a free one.
     master_addr: str = "127.0.0.1"
     master_port: int = 0
