@@ -6,6 +6,7 @@ import pytest
 import torch
 from pdflow.kernels import reference as ref
 
+from pdflow.attention import paged_plan
 from pdflow.attention.backends import get_backend
 
 D = 16
@@ -43,6 +44,14 @@ def close(got, want, dtype):
 @pytest.fixture
 def backend():
     return get_backend("torch")
+
+
+@pytest.fixture(params=[1, 16, 10**9], ids=["all-long", "split", "all-padded"])
+def long_chunk(request, monkeypatch):
+    """Prefill attends long chunks one by one and pads short ones together: test every
+    token through either path."""
+    monkeypatch.setattr(paged_plan, "LONG_CHUNK", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -86,7 +95,7 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", sorted(PREFILL_CASES))
 @pytest.mark.parametrize("geo", GEOMETRIES, ids=GEO_IDS)
-def test_prefill_equals_reference(backend, geo, case, dtype):
+def test_prefill_equals_reference(backend, geo, case, dtype, long_chunk):
     qlens, ctx = PREFILL_CASES[case]
     args = prefill_case(geo, qlens, ctx, dtype, seed=len(case) + geo[0])
     got = backend.prefill_attention(*args, SCALE)
@@ -108,7 +117,7 @@ def test_store_kv_equals_reference(backend, geo):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
-def test_stale_nan_slots_do_not_leak(backend):
+def test_stale_nan_slots_do_not_leak(backend, long_chunk):
     """Slots past a sequence's length (tail of its last page, padded table entries) may
     hold anything; the reference never reads them and neither may the backend."""
     geo = (8, 4, 16, 32)
@@ -127,8 +136,8 @@ def test_stale_nan_slots_do_not_leak(backend):
     q = torch.randn(3, 8, D, generator=gen)
     got = backend.decode_attention(q, kc, vc, lens, tables, SCALE)
     close(got, ref.decode_attention(q, kc, vc, lens, tables, SCALE), torch.float32)
-    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
-    q = torch.randn(10, 8, D, generator=gen)
+    cu = torch.tensor([0, 3, 4, 25], dtype=torch.int32)
+    q = torch.randn(25, 8, D, generator=gen)
     got = backend.prefill_attention(q, kc, vc, cu, lens, tables, SCALE)
     close(got, ref.prefill_attention(q, kc, vc, cu, lens, tables, SCALE), torch.float32)
 

@@ -108,38 +108,85 @@ def decode_plan(context_lens, block_tables, geo: Geometry, dtype: torch.dtype) -
     return DecodePlan(gather=gather, bias=bias)
 
 
+# Chunks at least this long attend one sequence at a time (exact length, no padding,
+# causal block skipping when the chunk is the whole context); shorter ones (decode rows,
+# verify chunks) are padded into one batched call. Measured on CPU: padding a batch of
+# 32..128-token prompts to the longest cost 2-4x the per-sequence calls.
+LONG_CHUNK = 16
+
+
 @dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """The sequences with new tokens, padded to ``max_q`` query rows each."""
+class PaddedGroup:
+    """Short chunks padded to ``max_q`` query rows each, attended in one call."""
 
     gather: GatherPlan
     # [B', max_q] row of q for each padded query (padding repeats a real row).
     q_rows: torch.Tensor
-    # [T] row of the padded output [B' * max_q] holding each token's result.
+    # [T'] row of the padded output [B' * max_q] holding each token's result ...
     out_rows: torch.Tensor
+    # ... and that token's row in q.
+    token_rows: torch.Tensor
     # [B', 1, max_q, L] additive causal mask over the context.
     bias: torch.Tensor
-    max_q: int
+
+
+@dataclass(frozen=True, slots=True)
+class LongChunk:
+    gather: GatherPlan  # this one sequence
+    start: int
+    end: int
+    # None when the chunk is the whole context (top-left causal); else [q, ctx] bias.
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    padded: PaddedGroup | None
+    long: list[LongChunk]
+
+
+def _causal_bias(ctx, qlen, max_q: int, length: int, dtype) -> torch.Tensor:
+    """[B, max_q, length]: query i of a chunk of ``qlen`` ending at ``ctx`` sees keys
+    ``j <= ctx - qlen + i`` (and none past ``ctx``)."""
+    device = ctx.device
+    i = torch.arange(max_q, device=device)
+    j = torch.arange(length, device=device)
+    qpos = (ctx - qlen)[:, None] + i[None, :]
+    hidden = (j[None, None, :] > qpos[:, :, None]) | (j[None, None, :] >= ctx[:, None, None])
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def prefill_plan(cu_seqlens_q, context_lens, block_tables, geo: Geometry,
                  dtype: torch.dtype) -> PrefillPlan:
-    device = context_lens.device
     cu = cu_seqlens_q.long()
-    qlen_all = cu[1:] - cu[:-1]
-    active = torch.nonzero(qlen_all > 0).flatten()
-    qlen, start = qlen_all[active], cu[:-1][active]
-    ctx = context_lens.long()[active]
+    ctx_all = context_lens.long()
+    starts, lens, ctxs = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist(), ctx_all.tolist()
+    long, short = [], []
+    for b, (start, qlen, ctx) in enumerate(zip(starts, lens, ctxs, strict=True)):
+        if qlen >= LONG_CHUNK:
+            gather = gather_plan(block_tables[b : b + 1], ctx_all[b : b + 1], ctx, geo)
+            bias = None
+            if qlen != ctx:
+                bias = _causal_bias(ctx_all[b : b + 1], cu.new_tensor([qlen]), qlen, ctx, dtype)[0]
+            long.append(LongChunk(gather=gather, start=start, end=start + qlen, bias=bias))
+        elif qlen > 0:
+            short.append(b)
+    return PrefillPlan(padded=_padded_group(short, cu, ctx_all, block_tables, geo, dtype),
+                       long=long)
+
+
+def _padded_group(short: list[int], cu, ctx_all, block_tables, geo, dtype) -> PaddedGroup | None:
+    if not short:
+        return None
+    device = ctx_all.device
+    idx = torch.tensor(short, device=device)
+    start, qlen, ctx = cu[:-1][idx], (cu[1:] - cu[:-1])[idx], ctx_all[idx]
     max_q, max_ctx = (int(x) for x in torch.stack([qlen.max(), ctx.max()]).tolist())
-    gather = gather_plan(block_tables[active], ctx, max_ctx, geo)
+    gather = gather_plan(block_tables[idx], ctx, max_ctx, geo)
     i = torch.arange(max_q, device=device)
     q_rows = start[:, None] + torch.minimum(i[None, :], qlen[:, None] - 1)
     valid = i[None, :] < qlen[:, None]
-    out_rows = (torch.arange(len(active), device=device)[:, None] * max_q + i)[valid]
-    length = gather.length
-    j = torch.arange(length, device=device)
-    qpos = (ctx - qlen)[:, None] + i[None, :]  # [B', max_q]
-    hidden = (j[None, None, :] > qpos[:, :, None]) | (j[None, None, :] >= ctx[:, None, None])
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-    return PrefillPlan(gather=gather, q_rows=q_rows, out_rows=out_rows, bias=bias[:, None],
-                       max_q=max_q)
+    out_rows = (torch.arange(len(short), device=device)[:, None] * max_q + i)[valid]
+    bias = _causal_bias(ctx, qlen, max_q, max_ctx, dtype)[:, None]
+    return PaddedGroup(gather=gather, q_rows=q_rows, out_rows=out_rows,
+                       token_rows=(start[:, None] + i)[valid], bias=bias)

@@ -3,8 +3,8 @@
 Same signatures and results as ``pdflow.kernels.reference`` (the oracle, which loops
 over sequences for clarity), but every op is batched: the K/V of all sequences are
 gathered with one ``index_select`` of cache rows, decode runs two batched matmuls with
-an additive length mask, and prefill runs one masked ``scaled_dot_product_attention``
-over the sequences padded to the longest chunk. The index and mask tensors come from
+an additive length mask, and prefill runs ``scaled_dot_product_attention`` per long
+chunk (no padding) plus one masked call over the short chunks padded together. The index and mask tensors come from
 ``paged_plan`` once per step (memoised on the identity of the metadata tensors, which
 every layer of a step shares) and the gather buffers are reused by every layer, so a
 decode step allocates no large tensor per layer.
@@ -114,15 +114,30 @@ class TorchBackend:
             (cu_seqlens_q, context_lens, block_tables), (geo, acc),
             lambda: plans.prefill_plan(cu_seqlens_q, context_lens, block_tables, geo, acc),
         )
-        t, h_q, d = q.shape
-        k = self._gather(k_cache, plan.gather, "k").to(acc)
-        v = self._gather(v_cache, plan.gather, "v").to(acc)
-        qp = q.to(acc)[plan.q_rows].transpose(1, 2)  # [B', H_q, max_q, D]
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=plan.bias, scale=scale, enable_gqa=h_q != geo.num_kv_heads
-        )
-        out = out.transpose(1, 2).reshape(-1, h_q, d)  # [B' * max_q, H_q, D]
-        return out.index_select(0, plan.out_rows).to(q.dtype)
+        _, h_q, d = q.shape
+        gqa = h_q != geo.num_kv_heads
+        qa = q.to(acc)
+        out = torch.empty_like(qa)
+        for chunk in plan.long:
+            k = self._gather(k_cache, chunk.gather, "k").to(acc)
+            v = self._gather(v_cache, chunk.gather, "v").to(acc)
+            qc = qa[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, H_q, q, D]
+            res = F.scaled_dot_product_attention(
+                qc, k, v, attn_mask=chunk.bias, is_causal=chunk.bias is None, scale=scale,
+                enable_gqa=gqa,
+            )
+            out[chunk.start : chunk.end] = res[0].transpose(0, 1)
+        group = plan.padded
+        if group is not None:
+            k = self._gather(k_cache, group.gather, "k").to(acc)
+            v = self._gather(v_cache, group.gather, "v").to(acc)
+            qp = qa[group.q_rows].transpose(1, 2)  # [B', H_q, max_q, D]
+            res = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=group.bias, scale=scale, enable_gqa=gqa
+            )
+            res = res.transpose(1, 2).reshape(-1, h_q, d)  # [B' * max_q, H_q, D]
+            out.index_copy_(0, group.token_rows, res.index_select(0, group.out_rows))
+        return out.to(q.dtype)
 
 
 register_backend("torch", TorchBackend)
