@@ -13,6 +13,10 @@ class AttentionMetadata:
 
     ``decode_only``: every sequence brings exactly one new token, so the decode op runs;
     otherwise the prefill op serves the whole (possibly mixed) batch.
+
+    Build new tensors for every step and never change them in place: every layer of a
+    step gets the same tensors, and the ``torch`` backend derives its gather indices and
+    masks once per step, keyed on their identity (see ``attention.paged_plan``).
     """
 
     decode_only: bool
