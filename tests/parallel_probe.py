@@ -13,6 +13,16 @@ from pdflow.parallel.launcher import Channel, RankContext
 from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
 
 
+def alive(pid: int) -> bool:
+    """Whether a process still exists (a zombie not yet reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
 def allreduce_rank(ctx: RankContext, channel: Channel) -> None:
     dist.init_process_group(
         "gloo",

@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from parallel_probe import alive
 
 from pdflow import LLM, SamplingParams
 from pdflow.parallel.launcher import RankFailed
@@ -117,25 +118,16 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
         executor.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 def test_killed_rank_ends_the_instance_naming_it_and_leaves_no_process():
     import time
 
     llm = LLM.from_run_spec(compose_spec([*BASE, "decode.tp=1", "decode.pp=2", "decode.step_timeout_s=60"]))
     pids = llm.engine.runner.pids
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))
     os.kill(pids[1], signal.SIGKILL)
     began = time.monotonic()
     with pytest.raises(RankFailed, match=r"decode\.s1\.t0"):
         llm.generate(PROMPTS[:1], GREEDY)
     assert time.monotonic() - began < 30
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from parallel_probe import allreduce_rank, raising_rank
+from parallel_probe import alive, allreduce_rank, raising_rank
 
 from pdflow.parallel.launcher import LocalLauncher, RankFailed
 from pdflow.parallel.messages import SamplingSpec, StepInput
@@ -26,19 +26,9 @@ def step(n: int) -> StepInput:
         context_lens=[1],
         block_tables=[[0]],
         sample_rows=[0],
-        sample_seq_ids=[0],
+        sample_seq_ids=["r0"],
         sampling=[SamplingSpec()],
     )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone once its parent reaped it.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def launcher(target, world: int = 4) -> LocalLauncher:
