@@ -18,7 +18,7 @@ from pdflow.spec.load import compose_spec
 def step(n: int) -> StepInput:
     return StepInput(
         step=n,
-        seq_ids=[0],
+        seq_ids=["r0"],
         token_ids=[1],
         positions=[0],
         slot_mapping=[0],
