@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdflow.engine.sampling_params import SamplingParams
 
@@ -32,8 +31,6 @@ class Sequence:
     finish_reason: str | None = None
     # Where a matched stop string begins in the decoded output text.
     stop_text_at: int | None = None
-    # torch.Generator for seeded sampling, created on the first sample.
-    generator: Any = None
     num_preemptions: int = 0
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
