@@ -48,12 +48,13 @@ def single_process_tokens() -> list[list[int]]:
     [
         ("decode.tp=2",),
         ("decode.tp=4",),
+        ("decode.tp=8",),
         ("decode.tp=1", "decode.pp=2"),
         ("decode.tp=1", "decode.pp=4"),
         ("decode.tp=1", "decode.pp=4", "decode.partition=lighter_last"),
         ("decode.tp=2", "decode.pp=2"),
     ],
-    ids=["tp2", "tp4", "pp2", "pp4", "pp4-uneven(3,2,2,1)", "pp2xtp2"],
+    ids=["tp2", "tp4", "tp8(replicated kv heads)", "pp2", "pp4", "pp4-uneven(3,2,2,1)", "pp2xtp2"],
 )
 def test_greedy_tokens_equal_one_process(single_process_tokens, layout):
     assert generate(*layout) == single_process_tokens
