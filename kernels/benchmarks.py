@@ -83,6 +83,21 @@ def check_all(run) -> None:
         print(f"  {'ok  ' if same else 'FAIL'} store_kv page{page} n={n}", flush=True)
 
 
+def check_prefill(run) -> None:
+    """The default prefill kernel only (``--prefill-only``): prefix hits, verify rows."""
+    hq, hkv, d = _heads(run)
+    plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
+                                                        [4096, 1000, 1500, 8])
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=run.dev)
+    for page, ppb in PAGES:
+        kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, run.dev)
+        q = T.randn(sum(qlens), hq, d, dtype=DT, device=run.dev)
+        got = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5)
+        want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
+        _record(run, f"prefill {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got, want, DT)
+
+
 def _safe(run, label, fn, *args, **kwargs):
     try:
         return run.time_ms(partial(fn, *args, **kwargs))
@@ -215,6 +230,9 @@ def bench_store(run) -> None:
 
 def sweep(run) -> None:
     """Bounded variants; each is also checked against the default config's output."""
-    from .sweep import sweep_all
+    from .sweep import sweep_all, sweep_prefill_round3
 
-    sweep_all(run)
+    if run.args.prefill_only:
+        sweep_prefill_round3(run)
+    else:
+        sweep_all(run)
