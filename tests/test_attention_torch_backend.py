@@ -6,7 +6,7 @@ import pytest
 import torch
 from pdflow.kernels import reference as ref
 
-from pdflow.attention import paged_plan
+from pdflow.attention import cpu_decode, paged_plan
 from pdflow.attention.backends import get_backend
 
 D = 16
@@ -54,9 +54,29 @@ def long_chunk(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "gather"])
+def fused(request, monkeypatch):
+    """Decode runs the compiled CPU op (fp32) when it builds, else gather + matmuls."""
+    if request.param and cpu_decode.op() is None:
+        pytest.skip("the CPU decode op did not build here")
+    if not request.param:
+        monkeypatch.setattr(cpu_decode, "usable", lambda *a: False)
+    return request.param
+
+
+def test_fused_decode_op_is_used_for_fp32(monkeypatch):
+    if cpu_decode.op() is None:
+        pytest.skip("the CPU decode op did not build here")
+    q = torch.zeros(1, 4, 64)
+    cache = torch.zeros(2, 2, 2, 16, 64)
+    assert cpu_decode.usable(q, cache, cache)
+    assert not cpu_decode.usable(q.double(), cache.double(), cache.double())
+    assert not cpu_decode.usable(q, cache.transpose(0, 1), cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("geo", GEOMETRIES, ids=GEO_IDS)
-def test_decode_equals_reference(backend, geo, dtype):
+def test_decode_equals_reference(backend, geo, dtype, fused):
     gen = torch.Generator().manual_seed(hash(geo) % 1000)
     h_q, h_kv, page, bs = geo
     # Mixed lengths: 1, inside a page, exactly a page, not dividing the page, several blocks.
@@ -117,7 +137,7 @@ def test_store_kv_equals_reference(backend, geo):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
-def test_stale_nan_slots_do_not_leak(backend, long_chunk):
+def test_stale_nan_slots_do_not_leak(backend, long_chunk, fused):
     """Slots past a sequence's length (tail of its last page, padded table entries) may
     hold anything; the reference never reads them and neither may the backend."""
     geo = (8, 4, 16, 32)

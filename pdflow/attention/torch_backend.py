@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdflow.attention import cpu_decode
 from pdflow.attention import paged_plan as plans
 from pdflow.attention.backends import register_backend
 from pdflow.kernels import reference
@@ -85,6 +86,9 @@ class TorchBackend:
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return reference.decode_attention(q, k_cache, v_cache, context_lens, block_tables,
                                               scale)
+        if cpu_decode.usable(q, k_cache, v_cache):  # reads K/V in place, no gather
+            return cpu_decode.decode_attention(q, k_cache, v_cache, context_lens, block_tables,
+                                               scale)
         acc = plans.acc_dtype(q.dtype)
         geo = plans.Geometry.of(k_cache)
         plan = self._decode.get(
