@@ -96,6 +96,37 @@ def test_greedy_matches_transformers(checkpoint, parallel):
     assert llm.num_free_kv_blocks == llm.num_kv_blocks
 
 
+def test_greedy_matches_transformers_through_gather_decode(checkpoint, monkeypatch):
+    """Decode through gather + matmuls (the path when the fused CPU op cannot build)."""
+    from pdflow.attention import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "usable", lambda *a: False)
+    prompts = random_prompts(seed=7)
+    outs = make_llm(checkpoint).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(checkpoint, prompts)
+
+
+def test_fast_model_ops_equal_the_plain_ones():
+    """The fp32 shortcuts (fused RMSNorm, q and k rotated in one pass) change no bit."""
+    from pdflow.model.layers import RMSNorm
+    from pdflow.model.rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64, generator=gen)
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 64, generator=gen) * 3
+        plain = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert torch.equal(norm(x), plain)
+    rope = RotaryEmbedding(16, 10000.0, None, 64)
+    qk = torch.randn(5, 6, 16, generator=gen)
+    pos = torch.tensor([0, 3, 9, 4, 63])
+    q, k = rope(pos, qk[:, :4], qk[:, 4:])
+    assert torch.equal(rope.forward_joint(pos, qk), torch.cat([q, k], dim=1))
+    other = torch.tensor([1, 1, 1, 1, 1])  # a new positions tensor: no stale table
+    assert not torch.equal(rope.forward_joint(other, qk), rope.forward_joint(pos, qk))
+
+
 @pytest.mark.parametrize("chunk", [512, 16])
 def test_prefix_cache_hits_keep_tokens_exact(checkpoint, chunk):
     shared = random_prompts(seed=4, lens=(70,))[0]

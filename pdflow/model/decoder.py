@@ -45,14 +45,16 @@ class Attention(nn.Module):
         )
 
     def forward(self, x, positions, meta: AttentionMetadata):
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
-        )
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them together
+            qk = self.rope.forward_joint(positions, qkv[:, : (hq + hkv) * d].view(t, -1, d))
+            q, k = qk.split([hq, hkv], dim=1)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        else:
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+            q, k = self.rope(positions, self.q_norm(q), self.k_norm(k))
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 

@@ -51,9 +51,29 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, H_q, D], k [T, H_kv, D] rotated at ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._table(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_joint(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """q and k heads side by side ([T, H_q + H_kv, D], e.g. a view of the fused qkv
+        output) rotated in one pass: half the elementwise calls of ``forward``, same values."""
+        cos, sin = self._table(positions)
+        return _rotate(qk, cos, sin)
+
+    def _table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows at ``positions``, [T, 1, D/2]. Every layer of a step passes the same
+        positions tensor, so on CPU they are looked up once per step (keyed on the tensor
+        and, outside inference mode, its version counter: the engine builds positions
+        anew each step, as the attention metadata); elsewhere always afresh, so a captured
+        CUDA graph records the lookup."""
+        key = (positions, None if positions.is_inference() else positions._version)
+        memo = getattr(self, "_memo", None)
+        if memo is not None and memo[0] is key[0] and memo[1] == key[1]:
+            return memo[2], memo[3]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if positions.device.type == "cpu":
+            self._memo = (*key, cos, sin)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
