@@ -146,6 +146,10 @@ def main() -> None:
           f"kv_blocks={blocks} page={args.page_tokens}/{args.block_size}")
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"commit {git_commit()}")
+    if args.device == "cpu" and args.attention_backend == "torch" and args.dtype == "float32":
+        from pdflow.attention import cpu_decode  # built by the run above when it can be
+
+        print(f"fused CPU decode op: {'on' if cpu_decode.op() is not None else 'off (gather)'}")
     print(f"transformers.generate: {hf_tps:9.1f} tok/s ({hf_s:.2f} s)")
     print(f"pdflow engine:         {ours_tps:9.1f} tok/s ({ours_s:.2f} s)")
     print(f"ratio (pdflow / transformers): {ours_tps / hf_tps:.2f}x")
