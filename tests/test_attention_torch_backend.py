@@ -90,6 +90,22 @@ def test_decode_equals_reference(backend, geo, dtype, fused):
     close(got, want, dtype)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_fused_decode_head_dims(backend, head_dim):
+    """The op has unrolled code for head_dim 64 and 128 and a generic loop for others."""
+    if cpu_decode.op() is None:
+        pytest.skip("the CPU decode op did not build here")
+    gen = torch.Generator().manual_seed(head_dim)
+    ctx = [1, 16, 33, 100]
+    shape = (20, 2, 4, 16, head_dim)
+    kc, vc = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = make_tables(ctx, 32, 20, gen)
+    q = torch.randn(len(ctx), 8, head_dim, generator=gen)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    got = backend.decode_attention(q, kc, vc, lens, tables, head_dim**-0.5)
+    close(got, ref.decode_attention(q, kc, vc, lens, tables, head_dim**-0.5), torch.float32)
+
+
 def prefill_case(geo, qlens, ctx, dtype, seed, num_blocks=48):
     gen = torch.Generator().manual_seed(seed)
     h_q, h_kv, page, bs = geo
