@@ -39,3 +39,32 @@ def page_offsets(bt_row_ptr, pos, valid, kvh, s_cb, s_cp, s_ch, s_ct,
     blk = tl.load(bt_row_ptr + pos // (PAGE * PPB), mask=valid, other=0).to(tl.int64)
     off = pos % (PAGE * PPB)
     return blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct
+
+
+EXP_MODES = {"exp2": 0, "bf16x2": 1, "f16x2": 2}
+
+
+def exp_mode(exp: str, dtype: torch.dtype) -> int:
+    """The EXP constexpr for ``exp2_as``: a packed form only for 16-bit q, and always the
+    one of q's dtype (p feeds the PV dot in that dtype); fp32 keeps the exact exp2."""
+    if EXP_MODES[exp] == 0 or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    return 2 if dtype == torch.float16 else 1
+
+
+@triton.jit
+def exp2_as(x, DT: tl.constexpr, EXP: tl.constexpr, UPCAST: tl.constexpr):
+    """exp2(x) as the dot's dtype. EXP 1/2: packed 16-bit MUFU ex2, two per instruction
+    (the interpreter runs the same rounding in torch: input and output 16 bits)."""
+    if EXP == 0:
+        return tl.exp2(x).to(DT)
+    elif UPCAST:
+        return tl.exp2(x.to(DT).to(tl.float32)).to(DT)
+    elif EXP == 1:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r",
+                                         [x.to(tl.bfloat16)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
+                                         [x.to(tl.float16)], dtype=tl.float16,
+                                         is_pure=True, pack=2)

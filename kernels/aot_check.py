@@ -66,7 +66,7 @@ def cases():
     yield ("prefill", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 128}, pre,
            dict(num_warps=8, num_stages=2), True)
     var = {**base, "BLOCK_M": 128, "BLOCK_N": 128, "LOOP_STAGES": 0, "WS": False,
-           "PERSISTENT": False, "PRESCALE": False}
+           "PERSISTENT": False, "PRESCALE": False, "SPLIT": 1, "EXP": 0}
     vptr = {k: v for k, v in pre.items() if k not in ("kc_ptr", "vc_ptr")}
     desc4 = "tensordesc<bf16[8,1,16,128]>"
     yield ("prefill variant tma page16", PV._prefill_variant_kernel,
@@ -76,6 +76,16 @@ def cases():
     yield ("prefill variant tma2d page128 persistent", PV._prefill_variant_kernel,
            {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "NP": 1, "PG": 128, "PERSISTENT": True},
            {**vptr, "k_src": desc2, "v_src": desc2}, dict(num_warps=8, num_stages=2), True)
+    r2best = {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "NP": 1, "PG": 128, "LOOP_STAGES": 3}
+    yield ("prefill variant tma2d loop_stages3 bf16x2 (round 4)", PV._prefill_variant_kernel,
+           {**r2best, "EXP": 1}, {**vptr, "k_src": desc2, "v_src": desc2},
+           dict(num_warps=8, num_stages=2), True)
+    desc4h = "tensordesc<bf16[4,1,16,128]>"
+    yield ("prefill variant tma page16 halves w4 bn64 bf16x2 (round 4)",
+           PV._prefill_variant_kernel,
+           {**var, "KV_MODE": 1, "NP": 4, "PG": 16, "BLOCK_N": 64, "LOOP_STAGES": 3, "SPLIT": 2,
+            "EXP": 1}, {**vptr, "k_src": desc4h, "v_src": desc4h},
+           dict(num_warps=4, num_stages=2), True)
     yield ("store_kv", SK._store_kv_kernel,
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),

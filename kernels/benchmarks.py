@@ -230,9 +230,9 @@ def bench_store(run) -> None:
 
 def sweep(run) -> None:
     """Bounded variants; each is also checked against the default config's output."""
-    from .sweep import sweep_all, sweep_prefill_round3
+    from .sweep import sweep_all, sweep_prefill_round
 
     if run.args.prefill_only:
-        sweep_prefill_round3(run)
+        sweep_prefill_round(run)
     else:
         sweep_all(run)

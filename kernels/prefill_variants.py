@@ -15,6 +15,11 @@ and change one thing each, so one GPU run can say which helps:
 - ``prescale``: Q is multiplied by ``scale * log2(e)`` once, so each S tile goes
   straight into exp2 (normalisation is deferred to the end in every variant).
 - ``persistent``: one program per SM walks the heavy-first tile list round robin.
+- ``exp="bf16x2"`` (round 4, from round 3's +21% on prefill_ws): p from the packed
+  16-bit MUFU ex2, two exps per instruction, already in the PV dot's dtype.
+- ``split=2`` (round 4, from round 3's +16%): the ``BLOCK_M`` rows as two halves that
+  share every K/V tile, each with its own softmax state, so one half's softmax has
+  the other's wgmma to hide behind.
 
 Every variant falls back to pointer loads where a descriptor cannot describe the tile.
 """
@@ -28,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
+from ._common import LOG2E, dot_precision, exp2_as, exp_mode, interpreting, mma, page_offsets
 
 __all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
 
@@ -74,7 +79,8 @@ def _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
 
 @triton.jit
 def _attend(q, k, v, m_i, l_i, acc, scale_log2, ok, pos, qpos, MASKED: tl.constexpr,
-            PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+            PRESCALE: tl.constexpr, EXP: tl.constexpr, DOT_PREC: tl.constexpr,
+            UPCAST: tl.constexpr):
     s = mma(q, tl.trans(k), DOT_PREC, UPCAST)
     if not PRESCALE:
         s = s * scale_log2
@@ -85,10 +91,56 @@ def _attend(q, k, v, m_i, l_i, acc, scale_log2, ok, pos, qpos, MASKED: tl.conste
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
+    if EXP == 0:
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)
+    else:  # ex2 of -inf is +0 in the packed form too
+        p = exp2_as(s - m_safe[:, None], v.dtype, EXP, UPCAST)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+    acc = acc * alpha[:, None] + mma(p, v, DOT_PREC, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2, ok, pos, qp0, qp1,
+            MASKED: tl.constexpr, SPLIT: tl.constexpr, PRESCALE: tl.constexpr,
+            EXP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One K/V tile for each row half (SPLIT 1: the second state passes through)."""
+    m0, l0, a0 = _attend(q0, k, v, m0, l0, a0, scale_log2, ok, pos, qp0, MASKED, PRESCALE,
+                         EXP, DOT_PREC, UPCAST)
+    if SPLIT == 2:
+        m1, l1, a1 = _attend(q1, k, v, m1, l1, a1, scale_log2, ok, pos, qp1, MASKED,
+                             PRESCALE, EXP, DOT_PREC, UPCAST)
+    return m0, l0, a0, m1, l1, a1
+
+
+@triton.jit
+def _rows(q_ptr, q_start, q_len, base, mt, kvh, half, scale_log2, s_qt, s_qh,
+          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+          HM: tl.constexpr, TOK: tl.constexpr, PRESCALE: tl.constexpr):
+    """Rows ``half * HM ..`` of query tile ``mt``: q, query positions, token row, head
+    in the group, store mask."""
+    rows = half * HM + tl.arange(0, HM)
+    ti = mt * TOK + rows // G_PAD
+    hh = rows % G_PAD
+    d = tl.arange(0, BLOCK_D)
+    io_mask = ((ti < q_len) & (hh < G))[:, None] & (d < D)[None, :]
+    q_row = (q_start + ti).to(tl.int64)
+    q = tl.load(q_ptr + (q_row * s_qt + (kvh * G + hh) * s_qh)[:, None] + d[None, :],
+                mask=io_mask, other=0.0)
+    if PRESCALE:
+        q = (q.to(tl.float32) * scale_log2).to(q.dtype)
+    return q, base + ti, q_row, hh, io_mask
+
+
+@triton.jit
+def _store(o_ptr, acc, l_i, q_row, hh, kvh, io_mask, s_ot, s_oh, G: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = q_row * s_ot + (kvh * G + hh) * s_oh
+    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -98,8 +150,10 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
           BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
           NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
-          PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+          PRESCALE: tl.constexpr, SPLIT: tl.constexpr, EXP: tl.constexpr,
+          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     TOK: tl.constexpr = BLOCK_M // G_PAD
+    HM: tl.constexpr = BLOCK_M // SPLIT
     mt = n_m - 1 - tile // n_bh
     bh = tile % n_bh
     b = bh // H_KV
@@ -109,46 +163,46 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
     ctx = tl.load(lens_ptr + b)
     base = ctx - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    ti = mt * TOK + rows // G_PAD
-    hh = rows % G_PAD
-    row_ok = (ti < q_len) & (hh < G)
-    qpos = base + ti
+    q0, qp0, r0, hh0, io0 = _rows(q_ptr, q_start, q_len, base, mt, kvh, 0, scale_log2, s_qt,
+                                  s_qh, G, G_PAD, D, BLOCK_D, HM, TOK, PRESCALE)
+    if SPLIT == 2:
+        q1, qp1, r1, hh1, io1 = _rows(q_ptr, q_start, q_len, base, mt, kvh, 1, scale_log2,
+                                      s_qt, s_qh, G, G_PAD, D, BLOCK_D, HM, TOK, PRESCALE)
+    else:
+        q1, qp1, r1, hh1, io1 = q0, qp0, r0, hh0, io0
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    io_mask = row_ok[:, None] & d_ok[None, :]
-    q_row = (q_start + ti).to(tl.int64)
-    q = tl.load(q_ptr + (q_row * s_qt + (kvh * G + hh) * s_qh)[:, None] + d[None, :],
-                mask=io_mask, other=0.0)
-    if PRESCALE:
-        q = (q.to(tl.float32) * scale_log2).to(q.dtype)
 
     live = mt * TOK < q_len
     full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
     diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m0 = tl.full([HM], float("-inf"), tl.float32)
+    l0 = tl.zeros([HM], tl.float32)
+    a0 = tl.zeros([HM, BLOCK_D], tl.float32)
+    m1, l1, a1 = m0, l0, a0
     cols = tl.arange(0, BLOCK_N)
     if LOOP_STAGES == 0:
         for n0 in range(0, full_end, BLOCK_N):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
                             H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
-            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
-                                    False, PRESCALE, DOT_PREC, UPCAST)
+            m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
+                                             cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
+                                             EXP, DOT_PREC, UPCAST)
     elif WS:
         for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=True):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
                             H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
-            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
-                                    False, PRESCALE, DOT_PREC, UPCAST)
+            m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
+                                             cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
+                                             EXP, DOT_PREC, UPCAST)
     else:
         for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
                             H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
-            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, cols >= 0, cols, qpos,
-                                    False, PRESCALE, DOT_PREC, UPCAST)
+            m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
+                                             cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
+                                             EXP, DOT_PREC, UPCAST)
     for n0 in range(full_end, diag_end, BLOCK_N):
         pos = n0 + cols
         ok = pos < diag_end
@@ -160,12 +214,13 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
         else:
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
                             H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, ok, pos, qpos,
-                                True, PRESCALE, DOT_PREC, UPCAST)
+        m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2, ok,
+                                         pos, qp0, qp1, True, SPLIT, PRESCALE, EXP, DOT_PREC,
+                                         UPCAST)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = q_row * s_ot + (kvh * G + hh) * s_oh
-    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    _store(o_ptr, a0, l0, r0, hh0, kvh, io0, s_ot, s_oh, G, BLOCK_D)
+    if SPLIT == 2:
+        _store(o_ptr, a1, l1, r1, hh1, kvh, io1, s_ot, s_oh, G, BLOCK_D)
 
 
 @triton.jit
@@ -177,7 +232,7 @@ def _prefill_variant_kernel(
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
     NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
-    PERSISTENT: tl.constexpr, PRESCALE: tl.constexpr,
+    PERSISTENT: tl.constexpr, PRESCALE: tl.constexpr, SPLIT: tl.constexpr, EXP: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -186,12 +241,12 @@ def _prefill_variant_kernel(
             _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
                   n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
                   H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
-                  LOOP_STAGES, WS, PRESCALE, DOT_PREC, UPCAST)
+                  LOOP_STAGES, WS, PRESCALE, SPLIT, EXP, DOT_PREC, UPCAST)
     else:
         _tile(pid, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
               n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
               H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
-              LOOP_STAGES, WS, PRESCALE, DOT_PREC, UPCAST)
+              LOOP_STAGES, WS, PRESCALE, SPLIT, EXP, DOT_PREC, UPCAST)
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,14 +278,15 @@ def _kv_sources(k_cache, v_cache, kv: str, block_n: int):
 def prefill_attention_variant(
     q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
     max_seqlen_q=None, kv="ptr", loop_stages=0, warp_specialize=False, persistent=False,
-    prescale=False, block_m=128, block_n=128, num_warps=8, num_stages=2, out=None,
+    prescale=False, exp="exp2", split=1, block_m=128, block_n=128, num_warps=8, num_stages=2,
+    out=None,
 ):
     """Same contract as ``prefill_attention``; the keywords pick the variant (module doc);
     ``variant_kv_mode`` says which K/V path a call takes."""
     t, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and split in (1, 2)
     if warp_specialize and not ws_supported():
         raise RuntimeError(f"tl.range(warp_specialize=) needs a newer triton than {triton.__version__}")
     bsz = context_lens.shape[0]
@@ -243,7 +299,7 @@ def prefill_attention_variant(
     group = h_q // h_kv
     g_pad = triton.next_power_of_2(group)
     upcast = interpreting(q)
-    block_m = max(block_m, g_pad, 16)
+    block_m = max(block_m, g_pad * split, 16 * split)
     mode, k_src, v_src, np_, pg = _kv_sources(k_cache, v_cache, kv, block_n)
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     tiles = n_m * bsz * h_kv
@@ -256,7 +312,8 @@ def prefill_attention_variant(
         H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n, KV_MODE=mode, NP=np_, PG=pg,
         LOOP_STAGES=loop_stages, WS=bool(warp_specialize), PERSISTENT=bool(persistent),
-        PRESCALE=bool(prescale), DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
+        PRESCALE=bool(prescale), SPLIT=split, EXP=exp_mode(exp, q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -25,12 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting
+from ._common import LOG2E, dot_precision, exp2_as, exp_mode, interpreting
 from .prefill_variants import TensorDescriptor, _kv_sources, ws_supported
 
 __all__ = ["prefill_attention_ws", "ws_kv_mode"]
 
-EXP_MODES = {"exp2": 0, "bf16x2": 1, "f16x2": 2}
 NEG = tl.constexpr(-1.0e30)  # finite mask fill: exp2(NEG - m) == 0 without inf - inf
 
 
@@ -45,24 +44,6 @@ def _dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
-def _exp2_p(x, DT: tl.constexpr, EXP: tl.constexpr, UPCAST: tl.constexpr):
-    """exp2(x) as the dot's dtype. EXP 1/2: packed 16-bit MUFU ex2 (the interpreter runs
-    the same rounding in torch: input rounded to 16 bits, output 16 bits)."""
-    if EXP == 0:
-        return tl.exp2(x).to(DT)
-    elif UPCAST:
-        return tl.exp2(x.to(DT).to(tl.float32)).to(DT)
-    elif EXP == 1:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r",
-                                         [x.to(tl.bfloat16)], dtype=tl.bfloat16,
-                                         is_pure=True, pack=2)
-    else:
-        return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
-                                         [x.to(tl.float16)], dtype=tl.float16,
-                                         is_pure=True, pack=2)
 
 
 @triton.jit
@@ -81,7 +62,7 @@ def _step(q, k, v, m_i, l_i, acc, qk_scale, qpos, pos, ok, MASKED: tl.constexpr,
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         x = s * qk_scale - m_new[:, None]
-    p = _exp2_p(x, v.dtype, EXP, UPCAST)
+    p = exp2_as(x, v.dtype, EXP, UPCAST)
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
     acc = _dot_acc(p, v, acc * alpha[:, None], DOT_PREC, UPCAST)
@@ -265,9 +246,6 @@ def prefill_attention_ws(
         k_src, v_src = k_cache, v_cache
         if q.is_cuda:
             triton.set_allocator(_scratch)
-    exp_mode = EXP_MODES[exp] if q.dtype in (torch.bfloat16, torch.float16) else 0
-    if exp_mode and (q.dtype == torch.float16) != (exp_mode == 2):
-        exp_mode = 2 if q.dtype == torch.float16 else 1  # the packed form of q's dtype
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     s = k_cache.stride()
     _prefill_ws_kernel[(n_m * bsz * h_kv,)](
@@ -278,7 +256,7 @@ def prefill_attention_ws(
         H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=d, PAGE=page, PPB=ppb,
         BLOCK_M=block_m, BLOCK_N=block_n, KV_MODE=mode, NP=np_, PG=pg,
         DEV_DESC=bool(dev_desc), SPLIT=split, STAGES=loop_stages,
-        WS=bool(warp_specialize), EXP=exp_mode, DOT_PREC=dot_precision(q.dtype),
+        WS=bool(warp_specialize), EXP=exp_mode(exp, q.dtype), DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -79,7 +79,7 @@ def test_variants_on_gpu_realistic(kw, page, ppb):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU stand-in")
-def test_prefill_only_dry_run_checks_then_times_every_round3_variant(tmp_path):
+def test_prefill_only_dry_run_checks_then_times_every_variant(tmp_path):
     import json
     import subprocess
     import sys
@@ -92,9 +92,11 @@ def test_prefill_only_dry_run_checks_then_times_every_round3_variant(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
-    r3 = [c for c in res["checks"] if c["name"].startswith("prefill r3")]
-    assert len(r3) == 2 * len(sweep.ROUND3) and all(c["ok"] for c in r3)
-    timed = [r for r in res["rows"] if r["kernel"] == "r3 prefill" and "ms" in r]
-    assert len(timed) == 2 * len(sweep.ROUND3) + 2  # + one BEST row per page size
+    checks = [c for c in res["checks"] if c["name"].startswith("prefill r4")]
+    n = len(sweep.PREFILL_ROUND)
+    assert len(checks) == 2 * n and all(c["ok"] for c in checks)
+    assert any("split=2 exp=bf16x2" in c["name"] for c in checks[:4])  # round 4 leads
+    timed = [r for r in res["rows"] if r["kernel"] == "r4 prefill" and "ms" in r]
+    assert len(timed) == 2 * n + 2  # + one BEST row per page size
     assert {r["kernel"] for r in res["rows"]} == {"prefill sdpa causal", "prefill triton",
-                                                  "r3 prefill"}
+                                                  "r4 prefill"}

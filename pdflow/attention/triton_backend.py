@@ -5,7 +5,8 @@ CUDA device the kernels run under TRITON_INTERPRET (slow; for CPU tests of the w
 which triton reads when a kernel is decorated: so it is set before the kernel modules
 are imported. Decode needs no device->host read (split chunks are cut in-kernel), so
 a decode step on this backend can be captured in a CUDA graph; prefill reads the
-longest chunk length once per call.
+longest chunk length once per call. Prefill runs the TMA kernel on Hopper and newer and
+the pointer kernel elsewhere (``kernels/prefill_auto.py`` says when).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _testing.use_interpreter_if_no_cuda()
 
 from pdflow.kernels.block_attention import block_attention  # noqa: E402
 from pdflow.kernels.decode_attention import decode_attention  # noqa: E402
-from pdflow.kernels.prefill_attention import prefill_attention  # noqa: E402
+from pdflow.kernels.prefill_auto import prefill_attention  # noqa: E402
 from pdflow.kernels.store_kv import store_kv  # noqa: E402
 
 

@@ -1,0 +1,85 @@
+"""The triton backend's prefill dispatch: the TMA kernel (round 2's best) only where the
+device and the cache allow it, the pointer kernel otherwise (CPU: TRITON_INTERPRET)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton kernel decoration
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from pdflow.kernels import reference as ref  # noqa: E402
+from pdflow.kernels import testing as T  # noqa: E402
+
+T.use_interpreter_if_no_cuda()
+from pdflow.kernels import prefill_auto as PA  # noqa: E402
+from pdflow.kernels import prefill_variants as PV  # noqa: E402
+from pdflow.kernels.prefill_attention import prefill_attention as pointer_prefill  # noqa: E402
+
+from pdflow.attention.backends import get_backend  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(lens, qlens, h_q, h_kv, d, page, ppb, dtype):
+    kc, vc, cl, bt = T.make_paged(lens, h_kv, d, page, ppb, dtype, DEV)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEV)
+    q = T.randn(sum(qlens), h_q, d, dtype=dtype, device=DEV)
+    return q, kc, vc, cu, cl, bt
+
+
+def _check(args, d, tol=1e-2):
+    got = PA.prefill_attention(*args, d**-0.5, out=torch.full_like(args[0], float("nan")))
+    want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], d**-0.5)
+    assert torch.isfinite(got).all()
+    assert T.rel_err(got, want) < tol
+    return got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback")
+def test_cpu_picks_the_pointer_kernel():
+    assert get_backend("triton").prefill_attention is PA.prefill_attention
+    args = _inputs([45, 33, 20], [15, 33, 1], 4, 2, 32, 16, 8, torch.bfloat16)
+    assert not PA.uses_tma(args[0], args[1], args[2])
+    got = _check(args, 32)
+    want = pointer_prefill(*args, 32**-0.5)  # the same kernel, so the same bits
+    assert torch.equal(got, want)
+
+
+def test_predicate_on_a_pretend_hopper(monkeypatch):
+    """What the predicate would say on a TMA device (no device needed), and that the TMA
+    path it then takes gives the reference's answer through the dispatch."""
+    if not PV.tma_supported():
+        pytest.skip("no tensor descriptors in this triton")
+    monkeypatch.setattr(PA, "interpreting", lambda q: False)
+    monkeypatch.setattr(PA, "_has_tma", lambda dev: True)
+    bf = _inputs([140, 20], [140, 20], 4, 2, 32, 16, 8, torch.bfloat16)  # 128-token blocks
+    assert PA.uses_tma(*bf[:3])
+    assert PV.variant_kv_mode(bf[1], "tma2d", 128) == "tma"
+    assert PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 128, 1, torch.float16)[:3])
+    assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 16, 8, torch.float32)[:3])
+    assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 16, 2, torch.bfloat16)[:3])  # 32
+    assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 48, 16, 8, torch.bfloat16)[:3])  # d48
+    calls = []
+    monkeypatch.setattr(PA, "prefill_attention_variant",
+                        lambda *a, **kw: calls.append(kw) or PV.prefill_attention_variant(*a, **kw))
+    _check(bf, 32)
+    assert calls and calls[0]["kv"] == "tma2d" and calls[0]["loop_stages"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page,ppb", [(16, 8), (128, 1)])
+def test_gpu_dispatch(page, ppb):
+    hopper = torch.cuda.get_device_capability()[0] >= 9 and PV.tma_supported()
+    args = _inputs([1000, 300, 129], [1000, 44, 1], 32, 8, 128, page, ppb, torch.bfloat16)
+    assert PA.uses_tma(*args[:3]) == hopper
+    _check(args, 128)
+    # 32-token blocks: no 128-token box, so the pointer kernel even on Hopper.
+    small = _inputs([300, 40], [300, 1], 32, 8, 128, 16, 2, torch.bfloat16)
+    assert not PA.uses_tma(*small[:3])
+    _check(small, 128)
