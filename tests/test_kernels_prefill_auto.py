@@ -1,4 +1,4 @@
-"""The triton backend's prefill dispatch: the TMA kernel (round 2's best) only where the
+"""The triton backend's prefill dispatch: the TMA kernel (the best measured setting) only where the
 device and the cache allow it, the pointer kernel otherwise (CPU: TRITON_INTERPRET)."""
 
 from __future__ import annotations
