@@ -18,7 +18,6 @@ from . import testing as T
 from .decode_attention import decode_attention
 from .prefill_attention import prefill_attention
 from .prefill_variants import prefill_attention_variant, variant_kv_mode
-from .prefill_ws import prefill_attention_ws
 
 # (block_n, num_warps, num_stages)
 # The first H200 run swept 8 tiles x 4 splits (bn64 w4 st4 splits1 won, 4.43 TB/s); keep
@@ -142,54 +141,33 @@ def sweep_prefill_variants(run, page, ppb, t=None):
     _best(run, rows)
 
 
-# Round 3 (issue 6), highest expected value first: the budget cuts whole variants from
-# the end. ("v", kw) runs prefill_variants (the control: round 2's best), ("ws", kw)
-# prefill_ws. Kernel-level num_stages follows loop_stages where the Hopper warp
-# specialisation pass reads it.
-WS_BASE = dict(block_m=128, block_n=128, num_warps=8, num_stages=2, loop_stages=3)
-ROUND3 = [
-    ("v", dict(kv="tma2d", loop_stages=3)),
-    ("ws", dict()),
-    ("ws", dict(exp="bf16x2")),
-    ("ws", dict(dev_desc=True, warp_specialize=True, num_stages=3)),
-    ("ws", dict(dev_desc=True, warp_specialize=True, num_stages=3, exp="bf16x2")),
-    ("ws", dict(exp="bf16x2", loop_stages=2)),
-    ("ws", dict(split=2, num_warps=4, block_n=64)),
-    ("ws", dict(dev_desc=True)),
-]
-# Round 4: round 3's two measured gains (packed bf16x2 exp2: +21%, two 64-row halves:
-# +16%, both on the slower `fa` kernel) on round 2's best itself, then the control, then
-# the halves at 8 warps (AOT: 680 B spilled, expected to lose), then round 3 as it was.
+# Round 4 (issue 6, the --prefill-only sweep): round 3's two measured gains (packed
+# bf16x2 exp2: +21%, two 64-row halves: +16%, both on round 3's slower kernel, since
+# removed) on round 2's best itself, then the control, then the halves at 8 warps (AOT:
+# 680 B spilled, expected to lose). Each entry overrides BIG.
 R2_BEST = dict(kv="tma2d", loop_stages=3)
 HALVES = dict(split=2, num_warps=4, block_n=64)
-ROUND4 = [
-    ("v", dict(R2_BEST, exp="bf16x2")),
-    ("v", dict(R2_BEST, **HALVES, exp="bf16x2")),
-    ("v", dict(R2_BEST, **HALVES)),
-    ("v", dict(R2_BEST)),
-    ("v", dict(R2_BEST, split=2, exp="bf16x2")),
+PREFILL_ROUND = [
+    dict(R2_BEST, exp="bf16x2"),
+    dict(R2_BEST, **HALVES, exp="bf16x2"),
+    dict(R2_BEST, **HALVES),
+    dict(R2_BEST),
+    dict(R2_BEST, split=2, exp="bf16x2"),
 ]
-PREFILL_ROUND = ROUND4 + ROUND3[1:]  # ROUND3[0] is the control, already in ROUND4
 TINY = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
 
-def _r3_call(which, kw, tiny):
-    if which == "v":
-        kw = {**BIG, **kw}
-        fn = prefill_attention_variant
-    else:
-        kw = {**WS_BASE, **kw}
-        fn = prefill_attention_ws
+def _round_call(kw, tiny):
+    """The variant call with its label (tiny: the CPU tile shape, left out of the label)."""
+    kw = {**BIG, **kw}
     if tiny:
         kw.update(TINY, loop_stages=1)
-    extra = [f"{k}={v}" for k, v in kw.items()
-             if k != "kv" and (BIG if which == "v" else WS_BASE).get(k) != v
-             and not (tiny and k in (*TINY, "loop_stages"))]
-    label = " ".join([kw.get("kv", "fa") if which == "v" else "fa", *extra])
-    return partial(fn, **kw), label
+    skip = (*TINY, "loop_stages") if tiny else ()
+    label = _label({k: v for k, v in kw.items() if k not in skip}, kw["kv"])
+    return partial(prefill_attention_variant, **kw), label
 
 
-def _r3_inputs(run, page, ppb):
+def _round_inputs(run, page, ppb):
     """The realistic check case (prefix hits, a verify row; float64 reference) and the
     timing case (one 8K causal prompt) for one page size."""
     hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
@@ -214,13 +192,13 @@ def sweep_prefill_round(run, pages=((128, 1), (16, 8))):
     variant that raises or misses the tolerance is recorded and not timed."""
     if run.tiny:
         pages = ((16, 1), (8, 2))
-    data = {pg: _r3_inputs(run, *pg) for pg in pages}
+    data = {pg: _round_inputs(run, *pg) for pg in pages}
     rows = {pg: [] for pg in pages}
-    for which, kw in PREFILL_ROUND:
+    for kw in PREFILL_ROUND:
         if run.over_budget():
-            print(f"  budget spent: prefill variants from {which} {kw} on skipped", flush=True)
+            print(f"  budget spent: prefill variants from {kw} on skipped", flush=True)
             break
-        fn, label = _r3_call(which, kw, run.tiny)
+        fn, label = _round_call(kw, run.tiny)
         for page, ppb in pages:
             check, want, timed, t, flops, scale = data[(page, ppb)]
             name = f"prefill r4 {label} page{page}"

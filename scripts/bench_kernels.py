@@ -35,7 +35,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     ap.add_argument("--prefill-only", action="store_true",
                     help="prefill only: default check, SDPA and default timings, then the "
-                         "round-4 and round-3 variants (each checked, then timed vs SDPA)")
+                         "round-4 variants (each checked, then timed vs SDPA)")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting new timings after this many seconds")
     return ap.parse_args(argv)

@@ -102,3 +102,27 @@ def test_variants_on_gpu_realistic(kv, extra):
     page, ppb = (128, 1) if kv == "tma2d" else (16, 8)
     kw = {**dict(block_m=128, block_n=128, num_warps=8, num_stages=2), **extra}
     _case([1000, 300, 129], [1000, 44, 1], 32, 8, 128, page, ppb, torch.bfloat16, kv=kv, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU stand-in")
+def test_prefill_only_dry_run_checks_then_times_every_variant(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pdflow.kernels import sweep
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--prefill-only", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    checks = [c for c in res["checks"] if c["name"].startswith("prefill r4")]
+    n = len(sweep.PREFILL_ROUND)
+    assert len(checks) == 2 * n and all(c["ok"] for c in checks)
+    assert any("split=2 exp=bf16x2" in c["name"] for c in checks[:4])  # round 4 leads
+    timed = [r for r in res["rows"] if r["kernel"] == "r4 prefill" and "ms" in r]
+    assert len(timed) == 2 * n + 2  # + one BEST row per page size
+    assert {r["kernel"] for r in res["rows"]} == {"prefill sdpa causal", "prefill triton",
+                                                  "r4 prefill"}
