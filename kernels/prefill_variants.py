@@ -15,7 +15,7 @@ and change one thing each, so one GPU run can say which helps:
 - ``prescale``: Q is multiplied by ``scale * log2(e)`` once, so each S tile goes
   straight into exp2 (normalisation is deferred to the end in every variant).
 - ``persistent``: one program per SM walks the heavy-first tile list round robin.
-- ``exp="bf16x2"`` (round 4, from round 3's +21% on prefill_ws): p from the packed
+- ``exp="bf16x2"`` (round 4; +21% on round 3's experimental kernel, since removed): p from the packed
   16-bit MUFU ex2, two exps per instruction, already in the PV dot's dtype.
 - ``split=2`` (round 4, from round 3's +16%): the ``BLOCK_M`` rows as two halves that
   share every K/V tile, each with its own softmax state, so one half's softmax has
