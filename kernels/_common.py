@@ -16,6 +16,20 @@ def interpreting(t: torch.Tensor) -> bool:
     return not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def prefill_shapes(q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q):
+    """Checks and sizes shared by the prefill launchers: (t, h_q, d, ppb, h_kv, page,
+    batch, max_seqlen_q, group, padded group). ``max_seqlen_q`` given skips a host read."""
+    t, h_q, d = q.shape
+    _, ppb, h_kv, page, dc = k_cache.shape
+    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    bsz = context_lens.shape[0]
+    if max_seqlen_q is None and t and bsz:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    group = h_q // h_kv
+    return t, h_q, d, ppb, h_kv, page, bsz, max_seqlen_q, group, triton.next_power_of_2(group)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get an exact dot (tf32 would cost ~1e-3 relative); 16-bit ignore it."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"

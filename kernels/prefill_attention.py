@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, prefill_shapes
 from .reference import prefill_attention as prefill_attention_reference
 
 __all__ = ["prefill_attention", "prefill_attention_reference"]
@@ -108,19 +108,13 @@ def prefill_attention(
 ):
     """q [T, H_q, D] (sequences packed by cu_seqlens_q) -> [T, H_q, D], causal over the
     paged context; pass ``max_seqlen_q`` to skip a device->host read of the lengths."""
-    t, h_q, d = q.shape
-    _, ppb, h_kv, page, dc = k_cache.shape
-    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    bsz = context_lens.shape[0]
+    t, _, d, ppb, h_kv, page, bsz, max_seqlen_q, group, g_pad = prefill_shapes(
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q
+    )
     if out is None:
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    group = h_q // h_kv
-    g_pad = triton.next_power_of_2(group)
     upcast = interpreting(q)
     if block_m is None:
         block_m = 128 if not upcast else 32

@@ -33,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, exp2_as, exp_mode, interpreting, mma, page_offsets
+from ._common import (
+    LOG2E,
+    dot_precision,
+    exp2_as,
+    exp_mode,
+    interpreting,
+    mma,
+    page_offsets,
+    prefill_shapes,
+)
 
 __all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
 
@@ -283,21 +292,16 @@ def prefill_attention_variant(
 ):
     """Same contract as ``prefill_attention``; the keywords pick the variant (module doc);
     ``variant_kv_mode`` says which K/V path a call takes."""
-    t, h_q, d = q.shape
-    _, ppb, h_kv, page, dc = k_cache.shape
-    assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and split in (1, 2)
+    assert split in (1, 2)
     if warp_specialize and not ws_supported():
         raise RuntimeError(f"tl.range(warp_specialize=) needs a newer triton than {triton.__version__}")
-    bsz = context_lens.shape[0]
+    t, _, d, ppb, h_kv, page, bsz, max_seqlen_q, group, g_pad = prefill_shapes(
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q
+    )
     if out is None:
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    group = h_q // h_kv
-    g_pad = triton.next_power_of_2(group)
     upcast = interpreting(q)
     block_m = max(block_m, g_pad * split, 16 * split)
     mode, k_src, v_src, np_, pg = _kv_sources(k_cache, v_cache, kv, block_n)
