@@ -65,7 +65,6 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
     from pdflow.attention.kv_cache import KVCacheBinding
     from pdflow.engine.stage_runner import StageRunner
     from pdflow.graph import build_graph
-    from pdflow.graph.units import TARGET
     from pdflow.model.config import DecoderConfig
     from pdflow.model.loader import build_model
     from pdflow.model.paths import resolve_model_path
@@ -101,11 +100,11 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
     model = build_model(DecoderConfig.from_file(folder), folder=folder, dtype=torch.float32,
                         device=torch.device("cpu"))
     # The four TP1 stages together hold every layer's units: bind them all to one model.
-    units = [u for r in graph.consumer.ranks for u in r.units if u.family == TARGET]
+    units = [u for r in graph.consumer.ranks for u in r.target_units]
     KVCacheBinding(units, 8, torch.device("cpu")).bind(model.attention_layers(), get_backend("torch"))
     local = StageRunner(model, torch.device("cpu"), capture_layers=tuple(taps))
 
-    executor = DistributedExecutor(spec, "decode")
+    executor = DistributedExecutor(graph, "decode")
     try:
         for s in steps:
             out = executor.execute(s)

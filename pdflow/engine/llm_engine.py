@@ -17,7 +17,6 @@ from pdflow.engine.scheduler import Scheduler
 from pdflow.engine.sequence import Sequence
 from pdflow.engine.step_input import build_step_input
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
-from pdflow.graph.units import TARGET
 from pdflow.model.config import DecoderConfig
 from pdflow.model.loader import build_model
 from pdflow.model.paths import resolve_model_path
@@ -57,7 +56,7 @@ class LLMEngine:
         else:
             from pdflow.parallel.executor import DistributedExecutor
 
-            self.runner = DistributedExecutor(spec, role)
+            self.runner = DistributedExecutor(self.graph, role)
         self.blocks = BlockManager(
             num_blocks=num_blocks, block_size=parallel.block_size,
             enable_prefix_caching=parallel.enable_prefix_caching,
@@ -77,8 +76,7 @@ class LLMEngine:
             cfg, folder=folder, dtype=TORCH_DTYPES[self.dtype], device=self.device,
             seed=self.spec.seed,
         )
-        units = [u for u in rank.units if u.family == TARGET]
-        self.kv = KVCacheBinding(units, num_blocks, self.device)
+        self.kv = KVCacheBinding(list(rank.target_units), num_blocks, self.device)
         self.kv.bind(self.model.attention_layers(), get_backend(self.parallel.attention_backend))
         width = None if self.parallel.enforce_eager else -(-self.max_model_len // self.parallel.block_size)
         return ModelRunner(

@@ -29,6 +29,11 @@ class RankPlan:
     def unit(self, name: str) -> UnitSpec | None:
         return next((u for u in self.units if u.name == name), None)
 
+    @property
+    def target_units(self) -> tuple[UnitSpec, ...]:
+        """The target model's K/V units: what this rank's engine binds to its layers."""
+        return tuple(u for u in self.units if u.family == TARGET)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StagePlan:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from pdflow.graph import build_graph
+from pdflow.graph import RunGraph
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
 from pdflow.parallel.messages import StepInput, StepOutput
 from pdflow.parallel.rank_worker import serve_rank
-from pdflow.spec import RunSpec
 
 
 class DistributedExecutor:
     """Starts one process per rank of ``role`` (the launcher is swappable), sends every
     rank each step, and waits for the sampling rank's answer while watching all ranks."""
 
-    def __init__(self, spec: RunSpec, role: str, launcher: Launcher | None = None):
-        plan = build_graph(spec).raise_if_refused().instance(role)
+    def __init__(self, graph: RunGraph, role: str, launcher: Launcher | None = None):
+        spec = graph.raise_if_refused().spec
+        plan = graph.instance(role)
         self.step_timeout_s = (spec.prefill if role == "prefill" else spec.decode).step_timeout_s
         self.driver = driver_rank(plan)
         self.launcher = launcher or LocalLauncher(spec, role, serve_rank, [r.label for r in plan.ranks])

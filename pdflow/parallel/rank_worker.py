@@ -18,7 +18,6 @@ from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
 from pdflow.engine.stage_runner import StageRunner
 from pdflow.graph import build_graph
-from pdflow.graph.units import TARGET
 from pdflow.model.config import DecoderConfig
 from pdflow.model.layers import set_tp_group
 from pdflow.model.loader import build_model
@@ -67,7 +66,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
         tp_rank=me.tp_rank, tp_size=par.tp, seed=spec.seed,
     )
     num_blocks = graph.budgets[role].pool_blocks
-    kv = KVCacheBinding([u for u in me.units if u.family == TARGET], num_blocks, device)
+    kv = KVCacheBinding(list(me.target_units), num_blocks, device)
     kv.bind(model.attention_layers(), get_backend(par.attention_backend))
     runner = StageRunner(model, device, capture_layers=stage.taps_captured)
     relayed_in = len(plan.stages[me.stage - 1].taps_relayed) if me.stage > 0 else 0
