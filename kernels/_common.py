@@ -16,6 +16,26 @@ def interpreting(t: torch.Tensor) -> bool:
     return not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def prefill_tile(tile, n_bh, n_m, cu_ptr, lens_ptr, H_KV: tl.constexpr, TOK: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Which (query tile, sequence, KV head) a prefill program serves, heaviest tiles
+    first, and its key range: [0, full_end) needs no causal mask, [full_end, diag_end)
+    is the diagonal. Returns (mt, b, kvh, q_start, q_len, base, full_end, diag_end)."""
+    mt = n_m - 1 - tile // n_bh
+    bh = tile % n_bh
+    b = bh // H_KV
+    kvh = bh % H_KV
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    ctx = tl.load(lens_ptr + b)
+    base = ctx - q_len  # position of the chunk's first query
+    live = mt * TOK < q_len
+    full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
+    diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
+    return mt, b, kvh, q_start, q_len, base, full_end, diag_end
+
+
 def prefill_shapes(q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q):
     """Checks and sizes shared by the prefill launchers: (t, h_q, d, ppb, h_kv, page,
     batch, max_seqlen_q, group, padded group). ``max_seqlen_q`` given skips a host read."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, prefill_shapes
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, prefill_shapes, prefill_tile
 from .reference import prefill_attention as prefill_attention_reference
 
 __all__ = ["prefill_attention", "prefill_attention_reference"]
@@ -33,15 +33,9 @@ def _prefill_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G_PAD
-    pid = tl.program_id(0)
-    mt = n_m - 1 - pid // n_bh
-    bh = pid % n_bh
-    b = bh // H_KV
-    kvh = bh % H_KV
-    q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
-    ctx = tl.load(lens_ptr + b)
-    base = ctx - q_len  # position of the chunk's first query
+    mt, b, kvh, q_start, q_len, base, full_end, diag_end = prefill_tile(
+        tl.program_id(0), n_bh, n_m, cu_ptr, lens_ptr, H_KV, TOK, BLOCK_N
+    )
 
     rows = tl.arange(0, BLOCK_M)
     ti = mt * TOK + rows // G_PAD
@@ -57,9 +51,6 @@ def _prefill_kernel(
         mask=io_mask, other=0.0,
     )
 
-    live = mt * TOK < q_len
-    full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
-    diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -42,6 +42,7 @@ from ._common import (
     mma,
     page_offsets,
     prefill_shapes,
+    prefill_tile,
 )
 
 __all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
@@ -163,14 +164,9 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
           DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     TOK: tl.constexpr = BLOCK_M // G_PAD
     HM: tl.constexpr = BLOCK_M // SPLIT
-    mt = n_m - 1 - tile // n_bh
-    bh = tile % n_bh
-    b = bh // H_KV
-    kvh = bh % H_KV
-    q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
-    ctx = tl.load(lens_ptr + b)
-    base = ctx - q_len
+    mt, b, kvh, q_start, q_len, base, full_end, diag_end = prefill_tile(
+        tile, n_bh, n_m, cu_ptr, lens_ptr, H_KV, TOK, BLOCK_N
+    )
 
     q0, qp0, r0, hh0, io0 = _rows(q_ptr, q_start, q_len, base, mt, kvh, 0, scale_log2, s_qt,
                                   s_qh, G, G_PAD, D, BLOCK_D, HM, TOK, PRESCALE)
@@ -182,9 +178,6 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
-    live = mt * TOK < q_len
-    full_end = tl.where(live, ((base + mt * TOK + 1) // BLOCK_N) * BLOCK_N, 0)
-    diag_end = tl.where(live, tl.minimum(base + mt * TOK + TOK, ctx), 0)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     m0 = tl.full([HM], float("-inf"), tl.float32)
     l0 = tl.zeros([HM], tl.float32)
