@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pdflow.spec import ParallelSpec
@@ -68,3 +69,28 @@ def test_bfloat16_on_cpu_keeps_weights_and_cache_in_bf16():
                         SamplingParams(temperature=0.8, seed=0, max_tokens=6, ignore_eos=True))
     assert all(len(o.token_ids) == 6 and all(0 <= t < 100 for t in o.token_ids) for o in outs)
     assert llm.num_free_kv_blocks == 16
+
+
+def test_from_run_spec_goes_through_init_and_refuses_mixed_arguments():
+    from pdflow import LLM
+    from pdflow.spec import ModelSpec
+
+    class Counted(LLM):
+        inits = 0
+
+        def __init__(self, *args, **kwargs):
+            type(self).inits += 1
+            super().__init__(*args, **kwargs)
+
+    spec = compose_spec(["model.path=null", "prefill=tp1", "prefill.num_kv_blocks=4", "drafter=none"])
+    llm = Counted.from_run_spec(spec, "prefill")
+    assert Counted.inits == 1 and isinstance(llm, Counted)
+    assert llm.engine.role == "prefill" and llm.engine.spec is spec and llm.num_kv_blocks == 4
+    with pytest.raises(ValueError, match="parallel, seed cannot be applied"):
+        LLM(spec, ParallelSpec(), seed=1)
+    model = ModelSpec(name="t", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=100, max_model_len=256)
+    with pytest.raises(ValueError, match="needs a RunSpec"):
+        LLM(model, role="prefill")
+    with pytest.raises(TypeError, match="needs a RunSpec"):
+        LLM.from_run_spec(model)

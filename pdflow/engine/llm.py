@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.graph import CONSUMER
 from pdflow.model.config import DecoderConfig
 from pdflow.model.paths import resolve_model_path
 from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
@@ -24,7 +26,8 @@ def run_spec_for(
     max_model_len: int | None = None, seed: int = 0,
 ) -> RunSpec:
     """A one-instance run spec: ``model`` as a checkpoint folder (``pdflow:...`` for a
-    packaged one) or a ModelSpec (no path: random init), served with ``parallel``."""
+    packaged one) or a ModelSpec (no path: random init), served with ``parallel``. Only
+    one side runs, so its ranks start at GPU 0 unless ``parallel.device_offset`` says."""
     if isinstance(model, str):
         folder = resolve_model_path(model)
         cfg = DecoderConfig.from_file(folder)
@@ -40,31 +43,60 @@ def run_spec_for(
             model.dtype = model.kv_dtype = canonical_dtype(dtype)
         if max_model_len is not None:
             model.max_model_len = max_model_len
+    if parallel.device_offset is None:
+        parallel = dataclasses.replace(parallel, device_offset=0)
     return RunSpec(
         model=model, prefill=parallel, decode=parallel, drafter=DrafterSpec(), seed=seed,
         name="llm",
     )
 
 
+def _built_spec(
+    model: str | ModelSpec | RunSpec, parallel: ParallelSpec | None, *, dtype: str,
+    max_model_len: int | None, seed: int | None, role: str,
+) -> RunSpec:
+    """``model`` itself when it is a RunSpec (whose building arguments must not be given),
+    else the one-instance spec ``run_spec_for`` builds (served as its decode side)."""
+    if isinstance(model, RunSpec):
+        given = {"parallel": parallel is not None, "dtype": dtype != "auto",
+                 "max_model_len": max_model_len is not None, "seed": seed is not None}
+        if any(given.values()):
+            names = ", ".join(name for name, g in given.items() if g)
+            raise ValueError(f"a RunSpec is already built; {names} cannot be applied to it")
+        return model
+    if role != CONSUMER:
+        raise ValueError(f"role={role!r} needs a RunSpec; a model and parallel serve one decode side")
+    parallel = parallel if parallel is not None else ParallelSpec(**DEFAULT_PARALLEL)
+    return run_spec_for(
+        model, parallel, dtype=dtype, max_model_len=max_model_len, seed=0 if seed is None else seed
+    )
+
+
 class LLM:
     """One engine instance driven to completion by this process (its ranks run in their
     own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
-    checkpoint's tokenizer) or token-id lists."""
+    checkpoint's tokenizer) or token-id lists.
+
+    ``model`` is a checkpoint folder or ModelSpec served with ``parallel`` (``dtype``,
+    ``max_model_len`` and ``seed`` adjust it), or an already built RunSpec whose ``role``
+    side is served as its run graph places it (what ``from_run_spec`` does)."""
 
     def __init__(
-        self, model: str | ModelSpec, parallel: ParallelSpec | None = None, *,
-        dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
+        self, model: str | ModelSpec | RunSpec, parallel: ParallelSpec | None = None, *,
+        dtype: str = "auto", max_model_len: int | None = None, seed: int | None = None,
+        role: str = CONSUMER,
     ):
-        parallel = parallel if parallel is not None else ParallelSpec(**DEFAULT_PARALLEL)
-        spec = run_spec_for(model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed)
-        self.engine = LLMEngine(spec)
+        spec = _built_spec(
+            model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed, role=role
+        )
+        self.engine = LLMEngine(spec, role=role)
 
     @classmethod
-    def from_run_spec(cls, spec: RunSpec, role: str = "decode") -> LLM:
+    def from_run_spec(cls, spec: RunSpec, role: str = CONSUMER) -> LLM:
         """One side of a run (the decode side by default), as the run graph places it."""
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(spec, role=role)
-        return llm
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"from_run_spec needs a RunSpec, got {type(spec).__name__}")
+        return cls(spec, role=role)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

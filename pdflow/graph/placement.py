@@ -17,6 +17,8 @@ class RankPlan:
     role: str
     rank: int  # rank within the instance: stage * tp + tp_rank
     stage: int
+    # GPU index on the instance's host (see ``first_device``); unused on CPU.
+    device_index: int
     tp_rank: int
     heads: tuple[int, ...]
     draft_heads: tuple[int, ...]
@@ -81,6 +83,20 @@ def draft_dtype(model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec) -> st
     return kv_dtype(model, par) if drafter.dtype == "auto" else canonical_dtype(drafter.dtype)
 
 
+def first_device(role: str, prefill: ParallelSpec, decode: ParallelSpec) -> int:
+    """GPU index of ``role``'s rank 0; its rank r sits on ``first_device + r``, one GPU each.
+
+    An instance's ``device_offset`` wins when set. Otherwise the prefill starts at GPU 0
+    and the decode right after the prefill's ranks, so a P/D pair on one host never
+    shares a GPU: PP4 prefill -> TP4 decode puts the prefill stages on GPUs 0-3 and the
+    decode ranks on 4-7, as the reference deployment does.
+    """
+    par = prefill if role == PRODUCER else decode
+    if par.device_offset is not None:
+        return par.device_offset
+    return 0 if role == PRODUCER else prefill.world_size
+
+
 def _rank_units(
     *,
     model: ModelSpec,
@@ -138,9 +154,17 @@ def _rank_units(
 
 
 def place_instance(
-    role: str, model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec, taps: list[int]
+    role: str,
+    model: ModelSpec,
+    par: ParallelSpec,
+    drafter: DrafterSpec,
+    taps: list[int],
+    *,
+    device_base: int,
 ) -> InstancePlan:
-    """Stages, ranks, heads and units of one instance. Assumes the checks passed.
+    """Stages, ranks, heads, units and GPUs of one instance. Assumes the checks passed.
+
+    Rank r (``stage * tp + tp_rank``) is placed on GPU ``device_base + r``.
 
     The drafter lives with the last stage (producer) or on every rank (consumer); in both
     cases its KV heads are split over that stage's TP ranks like the target's.
@@ -169,6 +193,7 @@ def place_instance(
                     role=role,
                     rank=s * par.tp + t,
                     stage=s,
+                    device_index=device_base + s * par.tp + t,
                     tp_rank=t,
                     heads=heads,
                     draft_heads=d_heads,

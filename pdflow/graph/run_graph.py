@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pdflow.graph.budget import BlockBudget, block_budget
 from pdflow.graph.checks import check_spec, resolved_taps
 from pdflow.graph.cut import CutPlan, build_cut_plans
-from pdflow.graph.placement import CONSUMER, PRODUCER, InstancePlan, RankPlan, place_instance
+from pdflow.graph.placement import (
+    CONSUMER,
+    PRODUCER,
+    InstancePlan,
+    RankPlan,
+    first_device,
+    place_instance,
+)
 from pdflow.graph.refusals import STRUCTURAL, Code, GraphRefused, Refusal
 from pdflow.graph.regions import Region, build_regions
 from pdflow.spec import RunSpec
@@ -93,8 +100,14 @@ def build_graph(spec: RunSpec) -> RunGraph:
     if any(r.code in STRUCTURAL for r in refusals):
         return RunGraph(spec=spec, refusals=tuple(refusals), **empty)
     taps = [t for t in resolved_taps(spec) if 0 <= t < spec.model.layers]
-    producer = place_instance(PRODUCER, spec.model, spec.prefill, spec.drafter, taps)
-    consumer = place_instance(CONSUMER, spec.model, spec.decode, spec.drafter, taps)
+    producer = place_instance(
+        PRODUCER, spec.model, spec.prefill, spec.drafter, taps,
+        device_base=first_device(PRODUCER, spec.prefill, spec.decode),
+    )
+    consumer = place_instance(
+        CONSUMER, spec.model, spec.decode, spec.drafter, taps,
+        device_base=first_device(CONSUMER, spec.prefill, spec.decode),
+    )
     drafter = None
     if spec.drafter.enabled:
         drafter = DrafterPlan(

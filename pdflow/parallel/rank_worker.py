@@ -1,9 +1,9 @@
 """The body of one rank process: its stage of the model, its KV units, its step loop.
 
-Everything it places (layers, heads, units, taps, block count) it asks the run graph,
-rebuilt from the resolved spec it was handed. Hidden states, and the drafter taps
-captured so far, go stage to stage over torch.distributed; the last stage samples and
-its first TP rank answers the owner.
+Everything it places (layers, heads, units, taps, block count, GPU index) it asks the
+run graph, rebuilt from the resolved spec it was handed. Hidden states, and the drafter
+taps captured so far, go stage to stage over torch.distributed; the last stage samples
+and its first TP rank answers the owner.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
 from pdflow.engine.stage_runner import StageRunner
-from pdflow.graph import build_graph
+from pdflow.graph import RankPlan, build_graph
 from pdflow.model.config import DecoderConfig
 from pdflow.model.layers import set_tp_group
 from pdflow.model.loader import build_model
@@ -25,12 +25,20 @@ from pdflow.model.paths import resolve_model_path
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
 from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
+from pdflow.spec import ParallelSpec
 
 
-def _device(kind: str, rank: int) -> torch.device:
-    if kind == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device(kind)
+def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
+    """The device the graph placed ``me`` on: GPU ``me.device_index`` under CUDA."""
+    if par.device != "cuda":
+        return torch.device(par.device)
+    count = torch.cuda.device_count()
+    if me.device_index >= count:
+        raise RuntimeError(
+            f"rank {me.label} is placed on GPU {me.device_index} but this host has {count}; "
+            f"set {me.role}.device_offset (or use fewer ranks) to fit the run on its GPUs"
+        )
+    return torch.device("cuda", me.device_index)
 
 
 def serve_rank(ctx: RankContext, channel: Channel) -> None:
@@ -41,7 +49,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     stage = plan.stages[me.stage]
     topo = topology(plan, me)
     par = spec.prefill if role == "prefill" else spec.decode
-    device = _device(par.device, ctx.rank)
+    device = rank_device(par, me)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # Ranks of a 2-core CPU machine share it; one thread each avoids oversubscription.

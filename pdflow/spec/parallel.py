@@ -31,6 +31,10 @@ class ParallelSpec:
     device: str = "cpu"
     # CPU-sized defaults (a few hundred MB per rank); GPU experiments set both.
     device_memory_gib: float = 4.0
+    # GPU index of this instance's rank 0 on its host (rank r gets device_offset + r).
+    # None: the graph places the prefill from GPU 0 and the decode right after the
+    # prefill's ranks, so both sides can share one host (the reference deployment).
+    device_offset: int | None = None
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
@@ -58,6 +62,8 @@ class ParallelSpec:
             raise ValueError(f"partition {self.partition!r} is not one of {PARTITIONS}")
         if self.memory <= 0:
             raise ValueError(f"memory must be a positive fraction or byte count, got {self.memory}")
+        if self.device_offset is not None and self.device_offset < 0:
+            raise ValueError(f"device_offset must be >= 0 or null, got {self.device_offset}")
         if self.device_memory_gib <= 0:
             raise ValueError("device_memory_gib must be positive")
         if self.layer_partition is not None and len(self.layer_partition) != self.pp:

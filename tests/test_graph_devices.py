@@ -1,0 +1,96 @@
+"""GPU placement comes from the run graph: prefill ranks from GPU 0, decode ranks right
+after them (or from an instance's device_offset), and the rank worker uses the graph's
+index instead of computing one. No GPU needed: CUDA calls are stubbed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflow.engine.llm import run_spec_for
+from pdflow.graph import build_graph
+from pdflow.parallel import rank_worker
+from pdflow.parallel.launcher import RankContext
+from pdflow.spec import ModelSpec, ParallelSpec
+from pdflow.spec.load import compose_spec
+
+
+def graph_of_cuda():
+    return build_graph(compose_spec(["prefill=pp4", "decode=tp4", "prefill.device=cuda", "decode.device=cuda"]))
+
+
+def devices(graph, role: str) -> list[int]:
+    return [r.device_index for r in graph.instance(role).ranks]
+
+
+def test_pp4_prefill_then_tp4_decode_take_gpus_0_to_7(graph_of):
+    graph = graph_of("prefill=pp4", "decode=tp4").raise_if_refused()
+    prefill = graph.instance("prefill")
+    assert [(r.stage, r.device_index) for r in prefill.ranks] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    decode = graph.instance("decode")
+    assert [(r.tp_rank, r.device_index) for r in decode.ranks] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    data = graph.to_dict()
+    assert [r["device_index"] for s in data["consumer"]["stages"] for r in s["ranks"]] == [4, 5, 6, 7]
+
+
+def test_decode_base_follows_the_prefill_world_size(graph_of):
+    graph = graph_of("prefill=tp2", "prefill.pp=2", "decode=tp2").raise_if_refused()
+    assert devices(graph, "prefill") == [0, 1, 2, 3]  # rank = stage * tp + tp_rank
+    assert devices(graph, "decode") == [4, 5]
+
+
+def test_device_offset_overrides_each_side(graph_of):
+    graph = graph_of("prefill=pp4", "decode=tp4", "decode.device_offset=0", "prefill.device_offset=2")
+    graph = graph.raise_if_refused()
+    assert devices(graph, "prefill") == [2, 3, 4, 5]
+    assert devices(graph, "decode") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="device_offset"):
+        ParallelSpec(device_offset=-1)
+
+
+def test_one_instance_llm_spec_starts_at_gpu_0():
+    model = ModelSpec(name="t", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=100, max_model_len=256)
+    par = ParallelSpec(tp=2, block_size=16, kv_page_tokens=8, num_kv_blocks=16)
+    graph = build_graph(run_spec_for(model, par)).raise_if_refused()
+    assert devices(graph, "decode") == [0, 1]
+    assert par.device_offset is None  # the caller's spec is not modified
+    shifted = ParallelSpec(tp=2, block_size=16, kv_page_tokens=8, num_kv_blocks=16, device_offset=6)
+    assert devices(build_graph(run_spec_for(model, shifted)), "decode") == [6, 7]
+
+
+def test_rank_device_is_the_graphs_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    graph = graph_of_cuda().raise_if_refused()
+    par = graph.spec.decode
+    assert [rank_worker.rank_device(par, r) for r in graph.instance("decode").ranks] == [
+        torch.device("cuda", i) for i in (4, 5, 6, 7)
+    ]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    with pytest.raises(RuntimeError, match=r"decode\.s0\.t3 is placed on GPU 7 but this host has 6"):
+        rank_worker.rank_device(par, graph.rank("decode", 3))
+    cpu = compose_spec(["prefill=pp4", "decode=tp4"])
+    assert rank_worker.rank_device(cpu.decode, graph.rank("decode", 3)) == torch.device("cpu")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_serve_rank_sets_the_graphs_gpu(monkeypatch):
+    """The worker asks the graph, not ``rank % device_count``: with one visible GPU the
+    old rule would have put every rank on GPU 0."""
+    spec = graph_of_cuda().spec
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+
+    def stop(*args, **kwargs):
+        raise _Stop
+
+    monkeypatch.setattr(rank_worker.dist, "init_process_group", stop)
+    for rank in range(4):
+        ctx = RankContext(spec=spec, role="decode", rank=rank, world_size=4, init_method="tcp://x:1")
+        with pytest.raises(_Stop):
+            rank_worker.serve_rank(ctx, channel=None)
+    assert chosen == [torch.device("cuda", i) for i in (4, 5, 6, 7)]
