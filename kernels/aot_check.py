@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 
 from . import decode_attention as DA  # noqa: E402
 from . import prefill_attention as PA  # noqa: E402
+from . import prefill_gluon as PG  # noqa: E402
 from . import prefill_variants as PV  # noqa: E402
 from . import store_kv as SK  # noqa: E402
 
@@ -34,15 +35,32 @@ SMEM_LIMIT = 227 * 1024
 BF = "*bf16"
 
 
-def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), **opts):
+def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **opts):
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")
            for n in names}
     cx = {(names.index(n),): v for n, v in consts.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n.startswith("s_") or sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
+    src = source(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
     return triton.compile(src, target=SM90, options=opts)
+
+
+def gluon_case():
+    """The Gluon prefill at its default settings (d128, page 128), if this triton has Gluon."""
+    if not PG.gluon_available():
+        return
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
+    desc = f"tensordesc<bf16[128,128],{lay!r}>"
+    consts = dict(H_Q=32, H_KV=8, D=128, PAGE=128, BM=PG.BLOCK_M, BN=PG.BLOCK_N, NS=PG.STAGES,
+                  PINGPONG=PG.PINGPONG, RESCALE_EARLY=PG.RESCALE_EARLY)
+    ptrs = dict(q_desc=desc, k_desc=desc, v_desc=desc, cu_ptr="*i32", lens_ptr="*i32",
+                bt_ptr="*i32", o_ptr=BF)
+    return compile_sm90(PG._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),
+                        source=GluonASTSource, num_warps=4)
 
 
 def cases():
@@ -101,6 +119,13 @@ def main() -> int:
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B, "
               f"async copies {n_async}, {opts}")
+    k = gluon_case()
+    if k is not None:  # warp-specialised: TMA loads, wgmma, register hand-off between partitions
+        ptx = k.asm["ptx"]
+        ok = (k.metadata.shared <= SMEM_LIMIT and "cp.async.bulk.tensor" in ptx
+              and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx)
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} prefill gluon (FA3 schedule): smem {k.metadata.shared} B")
     return 1 if bad else 0
 
 

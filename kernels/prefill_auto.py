@@ -1,14 +1,14 @@
-"""The prefill op the ``triton`` backend calls: the best measured kernel where it
-applies, the pointer kernel everywhere else.
+"""The prefill op the ``triton`` backend calls: the fastest measured kernel that applies.
 
-Round 4 measured the TMA variant (``tma2d`` with ``loop_stages=3``, the 128-row tile run
-as two 64-row halves over 64-token K/V tiles, 4 warps) 17% faster than the pointer kernel
-at page 16 and 128 on the H200 (0.776-0.778x vs 0.66x SDPA at 8K; round 2's setting was
-0.736x in the same run).
-It needs TMA (Hopper or newer, a triton with tensor descriptors), a K/V tile that is
-one box (block size a multiple of the 128-token tile, contiguous caches, power-of-two
-head_dim) and 16-bit data (the measured case; fp32 tiles would double shared memory).
-The CPU interpreter always takes the pointer kernel, so CI keeps testing it.
+1. ``gluon``: FlashAttention-3's schedule written in Gluon (kernels/prefill_gluon.py):
+   1.02-1.04x SDPA at 8K tokens on the H200 (round 5, bench/KERNEL_NOTES.md). Needs
+   Hopper, bf16, head_dim 64/128 and page-128 blocks (one page per block).
+2. ``tma``: the best plain-Triton variant (round 4: TMA tile loads, 3-stage loop, the
+   128-row tile as two 64-row halves over 64-token K/V tiles, 4 warps; 0.78x SDPA). Needs
+   TMA (Hopper or newer, a triton with tensor descriptors), blocks a multiple of the
+   128-token tile, contiguous caches, 16-bit data, power-of-two head_dim <= 128.
+3. ``pointer``: the pointer-load kernel everywhere else, the CPU interpreter included,
+   so CI keeps testing it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 
 from ._common import interpreting
 from .prefill_attention import prefill_attention as prefill_attention_ptr
+from .prefill_gluon import gluon_applies, prefill_attention_gluon
 from .prefill_variants import prefill_attention_variant, tma_supported, variant_kv_mode
 
-__all__ = ["BEST", "prefill_attention", "uses_tma"]
+__all__ = ["BEST", "kernel_for", "prefill_attention", "uses_tma"]
 
 BEST = dict(kv="tma2d", loop_stages=3, block_m=128, block_n=64, num_warps=4, split=2)
 
@@ -32,7 +33,7 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when ``prefill_attention`` would run the TMA kernel for these tensors."""
+    """True when the TMA variant (``BEST``) can run these tensors."""
     if interpreting(q) or not tma_supported() or not _has_tma(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and 16 <= q.shape[-1] <= 128
@@ -41,12 +42,20 @@ def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and variant_kv_mode(k_cache, "tma2d", BEST["block_n"]) != "ptr")
 
 
+def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    """Which kernel ``prefill_attention`` runs for these tensors: gluon, tma or pointer."""
+    if gluon_applies(q, k_cache, v_cache):
+        return "gluon"
+    return "tma" if uses_tma(q, k_cache, v_cache) else "pointer"
+
+
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                       *, max_seqlen_q=None, out=None):
-    """Same contract as ``prefill_attention.prefill_attention`` (default tiles)."""
-    if uses_tma(q, k_cache, v_cache):
-        return prefill_attention_variant(q, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                         block_tables, scale, max_seqlen_q=max_seqlen_q,
-                                         out=out, **BEST)
-    return prefill_attention_ptr(q, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                 block_tables, scale, max_seqlen_q=max_seqlen_q, out=out)
+    """Same contract as ``prefill_attention.prefill_attention``."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    kernel = kernel_for(q, k_cache, v_cache)
+    if kernel == "gluon":
+        return prefill_attention_gluon(*args, max_seqlen_q=max_seqlen_q, out=out)
+    if kernel == "tma":
+        return prefill_attention_variant(*args, max_seqlen_q=max_seqlen_q, out=out, **BEST)
+    return prefill_attention_ptr(*args, max_seqlen_q=max_seqlen_q, out=out)

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from . import prefill_gluon
 from . import reference as ref
 from . import testing as T
 from .decode_attention import decode_attention
@@ -186,47 +187,74 @@ def _round_inputs(run, page, ppb):
     return check, want, (q, kc, vc, cu, cl, bt), t, 4 * hq * d * t * (t + 1) // 2, d**-0.5
 
 
+# Round 5: the Gluon kernel (FA3 schedule, page 128 only), its measured knobs around the
+# default (2 stages, no ping-pong, one program per work item).
+GLUON_ROUND = [
+    dict(),
+    dict(stages=3, pingpong=True),
+    dict(stages=3, pingpong=True, persistent=True),
+    dict(stages=2, persistent=True),
+    dict(stages=3),
+]
+
+
+def _round_entries(run):
+    """(call, label, round, pages) of the --prefill-only sweep: round 5 then round 4."""
+    entries = []
+    if not run.tiny and prefill_gluon.gluon_available():
+        for kw in GLUON_ROUND:
+            full = {"stages": prefill_gluon.STAGES, "pingpong": prefill_gluon.PINGPONG,
+                    "persistent": prefill_gluon.PERSISTENT, **kw}
+            label = "gluon " + " ".join(f"{k}={v}" for k, v in full.items())
+            entries.append((partial(prefill_gluon.prefill_attention_gluon, **full), label, "r5",
+                            ((128, 1),)))
+    for kw in PREFILL_ROUND:
+        fn, label = _round_call(kw, run.tiny)
+        entries.append((fn, label, "r4", None))
+    return entries
+
+
 def sweep_prefill_round(run, pages=((128, 1), (16, 8))):
     """Each variant: checked against the float64 reference on the prefix-hit case at
-    both page sizes, then timed on the 8K prompt vs SDPA causal from this run. A
-    variant that raises or misses the tolerance is recorded and not timed."""
+    both page sizes (the Gluon kernel: page 128), then timed on the 8K prompt vs SDPA
+    causal from this run. A variant that raises or misses the tolerance is recorded
+    and not timed."""
     if run.tiny:
         pages = ((16, 1), (8, 2))
     data = {pg: _round_inputs(run, *pg) for pg in pages}
-    rows = {pg: [] for pg in pages}
-    for kw in PREFILL_ROUND:
+    rows = {(rnd, pg): [] for rnd in ("r4", "r5") for pg in pages}
+    for fn, label, rnd, only in _round_entries(run):
         if run.over_budget():
-            print(f"  budget spent: prefill variants from {kw} on skipped", flush=True)
+            print(f"  budget spent: prefill variants from {label} on skipped", flush=True)
             break
-        fn, label = _round_call(kw, run.tiny)
-        for page, ppb in pages:
+        for page, ppb in only or pages:
             check, want, timed, t, flops, scale = data[(page, ppb)]
-            name = f"prefill r4 {label} page{page}"
+            name = f"prefill {rnd} {label} page{page}"
             try:
                 got = fn(*check, scale, out=torch.full_like(check[0], float("nan")))
                 err = T.rel_err(got, want)
             except Exception as exc:
                 print(f"  FAIL {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 run.checks.append({"name": name, "err": float("nan"), "tol": 1e-2, "ok": False})
-                run.rows.append({"kernel": "r4 prefill", "shape": f"T{t} page{page}",
+                run.rows.append({"kernel": f"{rnd} prefill", "shape": f"T{t} page{page}",
                                  "note": f"{label} failed: {type(exc).__name__}"})
                 continue
             ok = bool(err < 1e-2)
             run.checks.append({"name": name, "err": err, "tol": 1e-2, "ok": ok})
             print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e}", flush=True)
             if not ok:
-                run.rows.append({"kernel": "r4 prefill", "shape": f"T{t} page{page}",
+                run.rows.append({"kernel": f"{rnd} prefill", "shape": f"T{t} page{page}",
                                  "note": f"{label} WRONG {err:.1e}"})
                 continue
             ms = run.time_ms(partial(fn, *timed, scale, max_seqlen_q=t))
-            row = run.add("r4 prefill", f"T{t} page{page}", ms, flops=flops, note=label)
+            row = run.add(f"{rnd} prefill", f"T{t} page{page}", ms, flops=flops, note=label)
             base = getattr(run, "sdpa_ms", {}).get(t)
             if base:
                 row["vs_baseline"] = round(base / ms, 3)
-            rows[(page, ppb)].append(row)
+            rows[(rnd, (page, ppb))].append(row)
         run.checkpoint()
-    for pg in pages:
-        _best(run, rows[pg])
+    for key in rows:
+        _best(run, rows[key])
 
 
 def sweep_all(run) -> None:

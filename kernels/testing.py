@@ -17,7 +17,7 @@ from . import reference as ref
 
 # Reloaded in this order: a module after the ones it imports kernels from.
 KERNEL_MODULES = ("_common", "store_kv", "decode_attention", "block_attention",
-                  "prefill_attention", "prefill_variants", "prefill_auto")
+                  "prefill_attention", "prefill_variants", "prefill_gluon", "prefill_auto")
 
 
 def use_interpreter_if_no_cuda() -> bool:

@@ -16,6 +16,7 @@ from pdflow.kernels import testing as T  # noqa: E402
 
 T.use_interpreter_if_no_cuda()
 from pdflow.kernels import prefill_auto as PA  # noqa: E402
+from pdflow.kernels import prefill_gluon as PG  # noqa: E402
 from pdflow.kernels import prefill_variants as PV  # noqa: E402
 from pdflow.kernels.prefill_attention import prefill_attention as pointer_prefill  # noqa: E402
 
@@ -75,11 +76,22 @@ def test_predicate_on_a_pretend_hopper(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page,ppb", [(16, 8), (128, 1)])
 def test_gpu_dispatch(page, ppb):
-    hopper = torch.cuda.get_device_capability()[0] >= 9 and PV.tma_supported()
+    hopper = torch.cuda.get_device_capability()[0] == 9 and PV.tma_supported()
     args = _inputs([1000, 300, 129], [1000, 44, 1], 32, 8, 128, page, ppb, torch.bfloat16)
     assert PA.uses_tma(*args[:3]) == hopper
+    gluon = hopper and page == 128 and PG.gluon_available()
+    assert PA.kernel_for(*args[:3]) == ("gluon" if gluon else "tma" if hopper else "pointer")
     _check(args, 128)
     # 32-token blocks: no 128-token box, so the pointer kernel even on Hopper.
     small = _inputs([300, 40], [300, 1], 32, 8, 128, 16, 2, torch.bfloat16)
     assert not PA.uses_tma(*small[:3])
+    assert PA.kernel_for(*small[:3]) == "pointer"
     _check(small, 128)
+
+
+def test_cpu_never_picks_gluon():
+    """Gluon has no interpreter: CPU tensors (and fp32 anywhere) go elsewhere."""
+    args = _inputs([140], [140], 4, 2, 64, 128, 1, torch.bfloat16)
+    if not torch.cuda.is_available():
+        assert PA.kernel_for(*args[:3]) == "pointer"
+    assert not PG.gluon_applies(args[0].float(), args[1].float(), args[2].float())

@@ -1,0 +1,62 @@
+"""The Gluon (FA3-schedule) prefill kernel against the float64 reference on the H200:
+mixed lengths, prefix hits, lengths that do not fill the last page, a NaN-poisoned cache
+(every slot no sequence owns is NaN, so a read past the context or a V tail that is not
+zeroed shows up as NaN), several GQA ratios. GPU only (Gluon has no interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdflow.kernels import prefill_gluon as PG
+from pdflow.kernels import reference as ref
+from pdflow.kernels import testing as T
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9
+    or not PG.gluon_available(), reason="needs a Hopper GPU and a triton with Gluon")]
+
+
+def _inputs(lens, qlens, h_q, h_kv, seed=0, d=128):
+    kc, vc, cl, bt = T.make_paged(lens, h_kv, d, 128, 1, torch.bfloat16, "cuda", seed=seed)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    q = T.randn(sum(qlens), h_q, d, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    return q, kc, vc, cu, cl, bt
+
+
+@pytest.mark.parametrize("lens,qlens,h_q,h_kv,d", [
+    ([1000, 300, 129], [1000, 44, 1], 32, 8, 128),  # full prompt, prefix hit, one verify row
+    ([128, 256, 77], [128, 100, 77], 8, 8, 128),    # GQA 1, exact pages, short prompt
+    ([2049, 640], [2049, 8], 16, 2, 128),           # GQA 8, 8-token verify rows after a prefix
+    ([1, 130, 4000], [1, 2, 1500], 8, 4, 128),      # 1-token context, chunked prefill
+    ([700, 333], [700, 20], 8, 4, 64),              # the shipped model's heads (d64)
+])
+@pytest.mark.parametrize("knobs", [{}, dict(persistent=True), dict(stages=3, pingpong=True)])
+def test_matches_reference(lens, qlens, h_q, h_kv, d, knobs):
+    args = _inputs(lens, qlens, h_q, h_kv, d=d)
+    assert PG.gluon_applies(*args[:3])
+    got = PG.prefill_attention_gluon(*args, d**-0.5, out=torch.full_like(args[0], float("nan")),
+                                     **knobs)
+    want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], d**-0.5)
+    assert torch.isfinite(got).all()
+    assert T.rel_err(got, want) < 1e-2
+
+
+def test_a_wrong_head_is_caught():
+    """The check above can fail: the same call with K/V heads swapped is far off."""
+    args = list(_inputs([300], [300], 8, 2))
+    want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], 128**-0.5)
+    args[1], args[2] = args[1].flip(2).contiguous(), args[2].flip(2).contiguous()
+    got = PG.prefill_attention_gluon(*args, 128**-0.5)
+    assert T.rel_err(got, want) > 0.1
+
+
+def test_refuses_what_it_cannot_run():
+    q, kc, vc, *_ = _inputs([20], [20], 8, 2)
+    assert not PG.gluon_applies(q.float(), kc.float(), vc.float())
+    kc16, vc16, _, _ = T.make_paged([20], 2, 128, 16, 8, torch.bfloat16, "cuda")
+    assert not PG.gluon_applies(q, kc16, vc16)
+    q48, kc48, vc48, *_ = _inputs([20], [20], 8, 2, d=48)
+    assert not PG.gluon_applies(q48, kc48, vc48)
+    with pytest.raises(ValueError, match="page-128"):
+        PG.prefill_attention_gluon(q, kc16, vc16, None, None, None, 1.0)
