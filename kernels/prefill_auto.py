@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -42,9 +43,12 @@ def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and variant_kv_mode(k_cache, "tma2d", BEST["block_n"]) != "ptr")
 
 
+_GLUON_BROKEN: set[str] = set()  # devices where the Gluon kernel failed to build or run
+
+
 def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
     """Which kernel ``prefill_attention`` runs for these tensors: gluon, tma or pointer."""
-    if gluon_applies(q, k_cache, v_cache):
+    if str(q.device) not in _GLUON_BROKEN and gluon_applies(q, k_cache, v_cache):
         return "gluon"
     return "tma" if uses_tma(q, k_cache, v_cache) else "pointer"
 
@@ -55,7 +59,14 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     args = (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
     kernel = kernel_for(q, k_cache, v_cache)
     if kernel == "gluon":
-        return prefill_attention_gluon(*args, max_seqlen_q=max_seqlen_q, out=out)
+        try:
+            return prefill_attention_gluon(*args, max_seqlen_q=max_seqlen_q, out=out)
+        except Exception as exc:  # Gluon is experimental: a triton that cannot build it
+            _GLUON_BROKEN.add(str(q.device))  # must cost speed, not the request
+            warnings.warn(f"Gluon prefill failed on {q.device} ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); using the Triton prefill from now on",
+                          RuntimeWarning, stacklevel=2)
+            kernel = kernel_for(q, k_cache, v_cache)
     if kernel == "tma":
         return prefill_attention_variant(*args, max_seqlen_q=max_seqlen_q, out=out, **BEST)
     return prefill_attention_ptr(*args, max_seqlen_q=max_seqlen_q, out=out)

@@ -95,3 +95,23 @@ def test_cpu_never_picks_gluon():
     if not torch.cuda.is_available():
         assert PA.kernel_for(*args[:3]) == "pointer"
     assert not PG.gluon_applies(args[0].float(), args[1].float(), args[2].float())
+
+
+def test_a_gluon_failure_falls_back_once(monkeypatch):
+    """A triton that cannot build the Gluon kernel costs speed, not the request: the call
+    falls back with a warning, and later calls do not try Gluon again on that device."""
+    args = _inputs([140, 20], [140, 20], 4, 2, 64, 128, 1, torch.bfloat16)
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("no such gluon op")
+
+    monkeypatch.setattr(PA, "gluon_applies", lambda q, k, v: True)
+    monkeypatch.setattr(PA, "prefill_attention_gluon", broken)
+    monkeypatch.setattr(PA, "_GLUON_BROKEN", set())
+    with pytest.warns(RuntimeWarning, match="Gluon prefill failed"):
+        _check(args, 64)
+    assert PA.kernel_for(*args[:3]) != "gluon"
+    _check(args, 64)
+    assert calls == [1]
