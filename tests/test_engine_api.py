@@ -94,3 +94,20 @@ def test_from_run_spec_goes_through_init_and_refuses_mixed_arguments():
         LLM(model, role="prefill")
     with pytest.raises(TypeError, match="needs a RunSpec"):
         LLM.from_run_spec(model)
+
+
+def test_bad_prompt_token_lists_are_refused_before_anything_runs():
+    """A token list must hold ints inside the vocabulary: a dict, strings, floats, bools or
+    out-of-range ids raise ValueError at submit, not an error deep in a rank."""
+    from pdflow import LLM, SamplingParams
+
+    spec = compose_spec(["model=tiny", "model.path=null", "decode=tp1", "decode.num_kv_blocks=8",
+                         "decode.kv_page_tokens=32", "prefill.kv_page_tokens=32", "drafter=none"])
+    llm = LLM.from_run_spec(spec)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    vocab = llm.engine.config.vocab_size
+    for bad in ({"prompt_token_ids": [1, 2]}, ["1", "2"], [1.0, 2.0], [True, 3], [1, vocab], [-1]):
+        with pytest.raises(ValueError, match="list of token ids"):
+            llm.generate([bad], params)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[1, 2, vocab - 1]], params)[0].token_ids) == 1

@@ -52,8 +52,8 @@ def test_batches_respect_token_and_sequence_budgets(checkpoint):
     seen = []
     schedule = scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(**kwargs):
+        batch = schedule(**kwargs)
         seen.append([(s.request_id, s.num_computed_tokens, n, s.num_tokens)
                      for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
         return batch

@@ -131,3 +131,38 @@ def test_killed_rank_ends_the_instance_naming_it_and_leaves_no_process():
         llm.generate(PROMPTS[:1], GREEDY)
     assert time.monotonic() - began < 30
     assert not any(alive(p) for p in pids)
+
+
+def test_pp_keeps_one_step_in_flight_per_stage(single_process_tokens):
+    """PP2 submits the next step before the last one is back (stage 0 works on it while
+    stage 1 finishes the other), and the tokens still equal one process's."""
+    llm = LLM.from_run_spec(compose_spec([*BASE, "decode.tp=1", "decode.pp=2"]))
+    try:
+        got = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.runner.depth == 2
+        assert llm.engine.runner.max_in_flight == 2
+    finally:
+        llm.shutdown()
+    assert got == single_process_tokens
+
+
+def test_abort_while_in_flight_frees_blocks_and_drops_the_late_token(single_process_tokens):
+    llm = LLM.from_run_spec(compose_spec([*BASE, "decode.tp=1", "decode.pp=2"]))
+    engine = llm.engine
+    try:
+        ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+        a = engine.add_request(ids[0], GREEDY)
+        b = engine.add_request(ids[1], GREEDY)
+        tokens_a = [out.token_id for out in engine.step()]  # a's step collected, b's in flight
+        seq_b = engine.scheduler.find(b)
+        assert seq_b.in_flight and engine.scheduler.find(a) is not None
+        assert engine.abort(b)
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.request_id == a, "a token of the aborted request came back"
+                tokens_a.append(out.token_id)
+        assert seq_b.num_output_tokens == 0
+        assert engine.num_free_kv_blocks == engine.num_kv_blocks
+    finally:
+        llm.shutdown()
+    assert tokens_a == single_process_tokens[0]

@@ -131,7 +131,14 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token-id lists")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        ids = list(prompt)
+        vocab = self.engine.config.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < vocab), None)
+        if bad is not None or isinstance(prompt, dict):
+            raise ValueError(f"a prompt is a string or a list of token ids in [0, {vocab}); "
+                             f"got {type(prompt).__name__} holding {bad!r}")
+        return ids
 
     def submit(
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]

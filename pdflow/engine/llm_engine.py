@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import torch
 
@@ -13,7 +14,7 @@ from pdflow.engine.detokenizer import Detokenizer
 from pdflow.engine.model_runner import ModelRunner
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.engine.scheduler import Scheduler
+from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import Sequence
 from pdflow.engine.step_input import build_step_input
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
@@ -69,6 +70,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._released: list[str] = []
+        # Submitted, not yet collected: (batch, sequences sampled) per step, oldest first.
+        self._in_flight: deque[tuple[ScheduledBatch, list[Sequence]]] = deque()
 
     def _local_runner(self, cfg: DecoderConfig, folder, num_blocks: int) -> ModelRunner:
         rank = self.graph.rank(self.role, 0)
@@ -120,27 +123,29 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # -- stepping -------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run the model once, sample; one TokenOutput per new token."""
-        batch = self.scheduler.schedule()
-        if batch.empty:
+        """Schedule and submit steps until the runner's pipeline is full (one step per PP
+        stage; one without PP), then collect the oldest and sample from it: one
+        TokenOutput per new token."""
+        self._fill_pipeline()
+        if not self._in_flight:
             return []
-        step, sampled = build_step_input(
-            batch, block_size=self.parallel.block_size, step=next(self._steps),
-            released=self._released,
-        )
-        self._released = []
-        result = self.runner.execute(step)
-        tokens, logprobs = result.token_ids, result.logprobs
+        batch, sampled = self._in_flight.popleft()
+        result = self.runner.collect()
+        for seq in batch.seqs:
+            seq.in_flight = False
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
+            if not seq.finished:  # aborted in flight: its blocks are already free
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
         outputs = []
-        for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            if seq.finished:
+                continue
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             reason = self._finish_reason(seq, token)
@@ -153,6 +158,26 @@ class LLMEngine:
                 finish_reason=seq.finish_reason,
             ))
         return outputs
+
+    def _fill_pipeline(self) -> None:
+        """With D steps in flight, each takes about 1/D of the unfinished sequences, so
+        the running ones spread over the stages instead of all riding the first step."""
+        depth = self.runner.depth
+        while len(self._in_flight) < depth:
+            unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+            cap = None if depth == 1 else max(1, -(-unfinished // depth))
+            batch = self.scheduler.schedule(max_seqs=cap)
+            if batch.empty:
+                return
+            step, sampled = build_step_input(
+                batch, block_size=self.parallel.block_size, step=next(self._steps),
+                released=self._released,
+            )
+            self._released = []
+            self.runner.submit(step)
+            for seq in batch.seqs:
+                seq.in_flight = True
+            self._in_flight.append((batch, sampled))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling

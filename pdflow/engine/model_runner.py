@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from pdflow.engine.cuda_graphs import DecodeGraphRunner, graphs_supported
@@ -15,7 +17,10 @@ class ModelRunner:
 
     Decode steps replay CUDA graphs (one per batch-size bucket) when the device is CUDA,
     the backend is triton and ``block_table_width`` is given; everything else runs eagerly.
+    One stage, so one step in flight: ``submit`` runs it, ``collect`` hands the result back.
     """
+
+    depth = 1
 
     def __init__(
         self, model: CausalLM, *, device: torch.device, max_num_seqs: int = 256,
@@ -27,6 +32,13 @@ class ModelRunner:
             if block_table_width and graphs_supported(model, device)
             else None
         )
+        self._done: deque[StepOutput] = deque()
+
+    def submit(self, step: StepInput) -> None:
+        self._done.append(self.execute(step))
+
+    def collect(self) -> StepOutput:
+        return self._done.popleft()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

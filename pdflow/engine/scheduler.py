@@ -4,6 +4,11 @@ Each step spends at most ``max_num_batched_tokens`` new tokens: running sequence
 (one token each when decoding, the next chunk when still prefilling), then waiting ones
 in arrival order while ``max_num_seqs`` allows. When blocks run out, the most recently
 admitted running sequence gives its blocks back and waits to be recomputed.
+
+With pipeline parallelism several steps are in flight at once: a sequence in a step not
+yet collected is skipped (and never preempted: its K/V is still being written), and
+``schedule(max_seqs=...)`` caps a step's sequences so the running ones spread over the
+steps in flight instead of all landing in the first.
 """
 
 from __future__ import annotations
@@ -55,32 +60,38 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        room = self.max_num_seqs if max_seqs is None else max_seqs
         batch = ScheduledBatch(seqs=[], num_new_tokens=[])
         preempted = False
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(batch.seqs) >= room:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.in_flight:
+                continue  # preempted earlier in this loop, or its last step is not back
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+            fits = True
+            while fits and not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+                victim = next((v for v in reversed(self.running) if not v.in_flight), None)
+                if victim is None:
+                    fits = False  # only in-flight sequences hold blocks: wait for them
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-            if seq.status is SequenceStatus.RUNNING:
+            if fits and seq.status is SequenceStatus.RUNNING:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
         if not preempted:
-            self._admit(batch, budget)
+            self._admit(batch, budget, room)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit(self, batch: ScheduledBatch, budget: int, room: int) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(batch.seqs) < room):
             seq = self.waiting[0]
             cached = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

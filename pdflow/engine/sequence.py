@@ -34,6 +34,9 @@ class Sequence:
     num_preemptions: int = 0
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
+    # In a step that has been submitted and not yet collected (pipeline parallelism):
+    # neither scheduled again nor preempted until its result is back.
+    in_flight: bool = False
 
     @property
     def num_tokens(self) -> int:

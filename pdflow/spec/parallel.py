@@ -26,6 +26,9 @@ class ParallelSpec:
     kv_dtype: str = "auto"
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    # Steps in flight at once; None: one per PP stage (stage 0 starts the next step while
+    # later stages finish earlier ones). 1 turns the pipelining off (benchmark baseline).
+    max_steps_in_flight: int | None = None
     # <= 1.0: fraction of one device's memory; > 1.0: bytes.
     memory: float = 0.1
     device: str = "cpu"
@@ -62,6 +65,8 @@ class ParallelSpec:
             raise ValueError(f"partition {self.partition!r} is not one of {PARTITIONS}")
         if self.memory <= 0:
             raise ValueError(f"memory must be a positive fraction or byte count, got {self.memory}")
+        if self.max_steps_in_flight is not None and self.max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1 or null, got {self.max_steps_in_flight}")
         if self.device_offset is not None and self.device_offset < 0:
             raise ValueError(f"device_offset must be >= 0 or null, got {self.device_offset}")
         if self.device_memory_gib <= 0:
@@ -76,6 +81,10 @@ class ParallelSpec:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def steps_in_flight(self) -> int:
+        return self.max_steps_in_flight or self.pp
 
     def usable_bytes(self) -> int:
         """Bytes of one device this instance may use (weights + KV + activations)."""
