@@ -43,7 +43,7 @@ def make_llm(args, in_flight: int | None):
         # One prompt per step, so the steps in flight are different requests.
         f"decode.max_num_batched_tokens={args.prompt_len}", f"decode.max_steps_in_flight={steps}",
         f"decode.num_kv_blocks={args.prompts * (-(-args.prompt_len // 128) + 1)}",
-        "decode.enable_prefix_caching=false",
+        "decode.enable_prefix_caching=false", "decode.device_offset=0",
     ])
     return LLM.from_run_spec(spec)
 
