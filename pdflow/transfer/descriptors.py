@@ -1,0 +1,82 @@
+"""From the graph's per-block cut plan to the byte descriptors a transfer engine moves.
+
+The graph says, for one block, which byte runs of each producer unit land where in each
+consumer unit (``CutPlan``); this module only adds addresses: a unit's cache base, the
+block's index on each side, and the run offsets, then merges descriptors that are
+contiguous on both sides. It computes no layout of its own (DESIGN: the graph is the only
+place that does), needs no torch and no engine, and so is tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdflow.graph.cut import CutPlan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitRegion:
+    """Where one unit's cache lives in a rank's memory: block b starts at
+    ``base + b * block_bytes``."""
+
+    base: int
+    block_bytes: int
+    num_blocks: int
+
+    def block(self, index: int) -> int:
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(f"block {index} is outside this cache's {self.num_blocks} blocks")
+        return self.base + index * self.block_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Descriptors:
+    """Parallel lists of source address, destination address and length, in bytes."""
+
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.length)
+
+    def add(self, src: int, dst: int, length: int) -> None:
+        """Append, extending the last descriptor when this one continues it on both sides."""
+        if self.length and self.src[-1] + self.length[-1] == src and self.dst[-1] + self.length[-1] == dst:
+            self.length[-1] += length
+        else:
+            self.src.append(src)
+            self.dst.append(dst)
+            self.length.append(length)
+
+    def batches(self, size: int):
+        """(src, dst, length) slices of at most ``size`` descriptors each."""
+        for i in range(0, len(self), size):
+            yield self.src[i : i + size], self.dst[i : i + size], self.length[i : i + size]
+
+
+def block_descriptors(
+    plan: CutPlan,
+    src_units: Mapping[str, UnitRegion],
+    dst_units: Mapping[str, UnitRegion],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+) -> Descriptors:
+    """Descriptors moving blocks ``src_blocks[i]`` of the producer rank to blocks
+    ``dst_blocks[i]`` of the consumer rank, for every unit pair and run of ``plan``."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} producer blocks for {len(dst_blocks)} consumer blocks")
+    out = Descriptors()
+    for group in plan.groups:
+        for src_name, dst_name in group.units:
+            src, dst = src_units[src_name], dst_units[dst_name]
+            for sb, db in zip(src_blocks, dst_blocks, strict=True):
+                s0, d0 = src.block(sb), dst.block(db)
+                for run in group.runs:
+                    out.add(s0 + run.src, d0 + run.dst, run.length)
+    return out
