@@ -1,7 +1,8 @@
 """Attention backends by name (``ParallelSpec.attention_backend``).
 
 A backend is any object with ``store_kv``, ``prefill_attention`` and
-``decode_attention`` taking the arguments of ``pdflow.kernels.reference``. Built-in
+``decode_attention`` taking the arguments of ``pdflow.kernels.reference``; prefill also
+takes ``max_seqlen_q`` (the longest chunk, from the host; None: derive it). Built-in
 names map to modules imported on first use (so ``"triton"`` costs nothing until asked
 for); ``register_backend`` adds others.
 """
@@ -19,7 +20,8 @@ class AttentionBackend(Protocol):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None: ...
 
     def prefill_attention(
-        self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+        self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
+        max_seqlen_q: int | None = None,
     ) -> Any: ...
 
     def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale) -> Any: ...

@@ -34,5 +34,5 @@ class PagedAttention(nn.Module):
             )
         return b.prefill_attention(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
-            meta.block_tables, self.scale,
+            meta.block_tables, self.scale, max_seqlen_q=meta.max_seqlen_q,
         )

@@ -28,3 +28,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     # [B, max_blocks] int32: block ids of each sequence, padded with 0.
     block_tables: torch.Tensor
+    # Longest chunk of new tokens, known on the host when the step is built: prefill
+    # kernels size their grid from it instead of reading cu_seqlens_q back every layer.
+    max_seqlen_q: int | None = None

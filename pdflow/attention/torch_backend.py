@@ -106,9 +106,10 @@ class TorchBackend:
         return out.view(b, h_q, d).to(q.dtype)
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                          scale):
+                          scale, *, max_seqlen_q=None):
         """Causal attention of each sequence's new tokens over its whole paged context
-        (prefix-cache hits, chunked prefill, verify chunks); chunk K/V already stored."""
+        (prefix-cache hits, chunked prefill, verify chunks); chunk K/V already stored.
+        ``max_seqlen_q`` is not needed here (the per-step plan reads the lengths once)."""
         if q.shape[0] == 0 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
                                                block_tables, scale)

@@ -4,9 +4,9 @@ Imported only when the backend is asked for (see backends.BUILTIN_MODULES). With
 CUDA device the kernels run under TRITON_INTERPRET (slow; for CPU tests of the wiring),
 which triton reads when a kernel is decorated: so it is set before the kernel modules
 are imported. Decode needs no device->host read (split chunks are cut in-kernel), so
-a decode step on this backend can be captured in a CUDA graph; prefill reads the
-longest chunk length once per call. Prefill runs the TMA kernel on Hopper and newer and
-the pointer kernel elsewhere (``kernels/prefill_auto.py`` says when).
+a decode step on this backend can be captured in a CUDA graph; prefill takes the
+longest chunk length from the step's metadata (built on the host), so it reads nothing
+back either. ``kernels/prefill_auto.py`` picks the prefill kernel (Gluon, TMA or pointer).
 """
 
 from __future__ import annotations

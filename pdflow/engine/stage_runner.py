@@ -7,6 +7,8 @@ the last stage turns the sampled rows into tokens with per-request generators.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pdflow.attention.metadata import AttentionMetadata
@@ -35,6 +37,7 @@ class StageRunner:
             cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
             context_lens=self._tensor(step.context_lens, torch.int32),
             block_tables=self._tensor(step.block_tables, torch.int32),
+            max_seqlen_q=max((b - a for a, b in itertools.pairwise(step.cu_seqlens_q)), default=0),
         )
         ids = self._tensor(step.token_ids, torch.int64)
         return ids, self._tensor(step.positions, torch.int64), meta
