@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -9,6 +10,15 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device; ``cpu`` stands in for CPU tensors (the
+    interpreter), so grid sizing stays testable there."""
+    if device.type != "cuda":
+        return cpu
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def interpreting(t: torch.Tensor) -> bool:

@@ -56,7 +56,7 @@ def gluon_case():
     lay = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
     desc = f"tensordesc<bf16[128,128],{lay!r}>"
     consts = dict(H_Q=32, H_KV=8, D=128, PAGE=128, BM=PG.BLOCK_M, BN=PG.BLOCK_N, NS=PG.STAGES,
-                  PINGPONG=PG.PINGPONG, RESCALE_EARLY=PG.RESCALE_EARLY)
+                  PINGPONG=PG.PINGPONG)
     ptrs = dict(q_desc=desc, k_desc=desc, v_desc=desc, cu_ptr="*i32", lens_ptr="*i32",
                 bt_ptr="*i32", o_ptr=BF)
     return compile_sm90(PG._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),

@@ -15,13 +15,11 @@ with the block tokens mixed into every tile, was 1.8x a decode step).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets
+from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, sm_count
 from .reference import decode_attention as decode_attention_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
@@ -138,16 +136,9 @@ def _merge_splits_kernel(
     tl.store(o_ptr + r * s_or + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int | None) -> int:
     """Enough programs to fill the GPU about twice, never splits shorter than 256 tokens."""
-    splits = max(1, min(16, triton.cdiv(2 * _sm_count(device), batch * h_kv)))
+    splits = max(1, min(16, triton.cdiv(2 * sm_count(device, cpu=132), batch * h_kv)))
     if max_context is not None:
         splits = max(1, min(splits, triton.cdiv(max_context, 256)))
     return splits

@@ -11,8 +11,9 @@ Gluon writes the schedule by hand:
   tile's 128 query rows (one query head; GQA reuse of K/V comes from L2, as FA3 does);
 - inside a warpgroup, FA3's intra-warpgroup overlap: issue S(j+1) = Q K(j+1)^T and
   O += P(j) V(j) back to back, wait only for S(j+1), run its softmax while the PV wgmma
-  runs, then wait for O and rescale it. FA3's ping-pong between the two warpgroups,
-  early O rescale and a persistent grid are knobs; none won on the H200 (KERNEL_NOTES).
+  runs, then wait for O and rescale it. FA3's ping-pong between the two warpgroups
+  and a persistent grid are knobs; neither won on the H200 (KERNEL_NOTES; FA3's early O
+  rescale did not either and was removed).
 
 K/V come from the page-128 cache (one page = one block = the 128-token tile) viewed as
 rows ``[num_blocks * H_kv * page, D]``. The tile that runs past the context is masked in
@@ -43,7 +44,7 @@ try:  # Gluon (triton >= 3.5); absent on older tritons and never run by the inte
 except ImportError:  # pragma: no cover - older triton
     gluon = None
 
-from ._common import LOG2E, interpreting, prefill_shapes
+from ._common import LOG2E, interpreting, prefill_shapes, prefill_tile, sm_count
 
 __all__ = ["gluon_available", "gluon_applies", "prefill_attention_gluon"]
 
@@ -51,7 +52,6 @@ BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 128  # keys per K/V tile: one page-128 page
 STAGES = 2
 PINGPONG = False
-RESCALE_EARLY = False
 PERSISTENT = False
 
 
@@ -116,21 +116,12 @@ if gluon is not None:
     @gluon.jit
     def _work(tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr):
-        """Work item ``tile`` (heaviest causal tiles first): query tile ``mt`` of sequence
-        ``b``, query head ``h``; K/V tiles [0, n_full) need no mask, n_tiles in all (0 for
+        """Work item ``tile``: ``prefill_tile``'s mapping (heaviest causal tiles first) with
+        one query head per item; K/V tiles [0, n_full) need no mask, n_tiles in all (0 for
         a tile past the sequence's queries)."""
-        mt = n_m - 1 - tile // n_bh
-        bh = tile % n_bh
-        b = bh // H_Q
-        h = bh % H_Q
-        q_start = gl.load(cu_ptr + b)
-        q_len = gl.load(cu_ptr + b + 1) - q_start
-        ctx = gl.load(lens_ptr + b)
-        base = ctx - q_len
-        live = (mt * BM < q_len).to(gl.int32)
-        n_tiles = live * ((gl.minimum(base + mt * BM + BM, ctx) + BN - 1) // BN)
-        n_full = (base + mt * BM + 1) // BN
-        return mt, b, h, q_start, q_len, base, ctx, n_full, n_tiles
+        mt, b, h, q_start, q_len, base, full_end, diag_end = prefill_tile(
+            tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q, BM, BN)
+        return mt, b, h, q_start, q_len, base, base + q_len, full_end // BN, (diag_end + BN - 1) // BN
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt, cu_ptr,
@@ -216,7 +207,7 @@ if gluon is not None:
     @gluon.jit
     def _attend(q, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, q_start, q_len, base, mt, h, ctx,
                 n_full, n_tiles, scale_log2, it, turn, n_fix, n_done, half: gl.constexpr,
-                PINGPONG: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+                PINGPONG: gl.constexpr):
         """This warpgroup's 64 rows of one work item; ``it``/``turn``/``n_fix``: ring,
         turn and tail-fix counters so far. Returns the counters after this item."""
         HALF: gl.constexpr = q.shape[0]
@@ -257,8 +248,6 @@ if gluon is not None:
             _my_turn(bars, turn + j + 1, half, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            if RESCALE_EARLY:  # FA3: rescale O while the QK^T wgmma runs
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_l), 1)
             o_tok = warpgroup_mma(gl.convert_layout(p, p_l), v_smem.index(cur), acc, is_async=True)
             _pass_turn(bars, half, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
@@ -272,9 +261,6 @@ if gluon is not None:
                                               True, s_l)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(bars.v_empty.index(cur), count=1)
-            if not RESCALE_EARLY:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_l), 1)
-        if RESCALE_EARLY:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_l), 1)
 
         last = n_tiles - 1
@@ -301,7 +287,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr, n_bh, n_m,
                   n_work, nprog, scale_log2, half: gl.constexpr, H_Q: gl.constexpr,
-                  PINGPONG: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+                  PINGPONG: gl.constexpr):
         BM: gl.constexpr = q_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[1]
         q = q_smem.slice(half * (BM // 2), BM // 2)
@@ -315,7 +301,7 @@ if gluon is not None:
             if n_tiles > 0:
                 it, turn, n_fix = _attend(q, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, q_start,
                                           q_len, base, mt, h, ctx, n_full, n_tiles, scale_log2,
-                                          it, turn, n_fix, n_done, half, PINGPONG, RESCALE_EARLY)
+                                          it, turn, n_fix, n_done, half, PINGPONG)
                 n_done += 1
 
     @gluon.jit
@@ -323,8 +309,7 @@ if gluon is not None:
                               scale_log2, n_bh, n_m, n_work, nprog, s_ot, s_oh, s_bt,
                               H_Q: gl.constexpr, H_KV: gl.constexpr, D: gl.constexpr,
                               PAGE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                              NS: gl.constexpr, PINGPONG: gl.constexpr,
-                              RESCALE_EARLY: gl.constexpr):
+                              NS: gl.constexpr, PINGPONG: gl.constexpr):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
@@ -334,11 +319,11 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                             n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q, PINGPONG,
-                             RESCALE_EARLY)),  # rows 0-63 of the tile
+                             n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q,
+                             PINGPONG)),  # rows 0-63 of the tile
                 (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                             n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q, PINGPONG,
-                             RESCALE_EARLY)),  # rows 64-127
+                             n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q,
+                             PINGPONG)),  # rows 64-127
                 (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
                            cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE)),
             ],
@@ -364,11 +349,6 @@ def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
             and q.data_ptr() % 16 == 0 and (q.stride(0) * 2) % 16 == 0)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _descriptors(q, k_cache, v_cache):
     t, h_q, d = q.shape
     nb, _, h_kv, page, _ = k_cache.shape
@@ -382,7 +362,7 @@ def _descriptors(q, k_cache, v_cache):
 
 def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             *, max_seqlen_q=None, out=None, stages=STAGES, pingpong=PINGPONG,
-                            rescale_early=RESCALE_EARLY, persistent=PERSISTENT):
+                            persistent=PERSISTENT):
     """Same contract as ``prefill_attention``; needs ``gluon_applies(q, k_cache, v_cache)``.
     ``persistent``: one program per SM walks the work items (heaviest first) round robin,
     so a program's next Q and K/V load while it stores the last output."""
@@ -398,13 +378,13 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         return out
     n_m = triton.cdiv(max_seqlen_q, BLOCK_M)
     n_work = n_m * bsz * h_q
-    nprog = min(n_work, _sm_count(q.device)) if persistent else n_work
+    nprog = min(n_work, sm_count(q.device, cpu=132)) if persistent else n_work
     q_desc, k_desc, v_desc = _descriptors(q, k_cache, v_cache)
     _prefill_gluon_kernel[(nprog,)](
         q_desc, k_desc, v_desc, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_q, n_m, n_work, nprog, out.stride(0), out.stride(1),
         block_tables.stride(0),
         H_Q=h_q, H_KV=h_kv, D=d, PAGE=page, BM=BLOCK_M, BN=BLOCK_N, NS=stages,
-        PINGPONG=bool(pingpong), RESCALE_EARLY=bool(rescale_early), num_warps=4,
+        PINGPONG=bool(pingpong), num_warps=4,
     )
     return out

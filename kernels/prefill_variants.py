@@ -26,7 +26,6 @@ Every variant falls back to pointer loads where a descriptor cannot describe the
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -43,6 +42,7 @@ from ._common import (
     page_offsets,
     prefill_shapes,
     prefill_tile,
+    sm_count,
 )
 
 __all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
@@ -251,30 +251,33 @@ def _prefill_variant_kernel(
               LOOP_STAGES, WS, PRESCALE, SPLIT, EXP, DOT_PREC, UPCAST)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
-        else 4
+def _kv_mode(k_cache, v_cache, kv: str, block_n: int) -> int:
+    """0 pointer loads, 1 ``tma`` page boxes, 2 ``tma2d`` row boxes: descriptors only
+    where one box is one K/V tile of contiguous caches."""
+    nb, ppb, h_kv, page, d = k_cache.shape
+    fits = (kv != "ptr" and TensorDescriptor is not None and (page * ppb) % block_n == 0
+            and d == triton.next_power_of_2(d) and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+    if not fits:
+        return 0
+    return 2 if kv == "tma2d" and ppb == 1 else 1
 
 
 def _kv_sources(k_cache, v_cache, kv: str, block_n: int):
     """(mode, k source, v source, NP, PG): descriptors when the tile is one box."""
     nb, ppb, h_kv, page, d = k_cache.shape
-    bs = page * ppb
     np_, pg = max(1, block_n // page), min(page, block_n)
-    fits = (kv != "ptr" and TensorDescriptor is not None and bs % block_n == 0
-            and d == triton.next_power_of_2(d) and k_cache.is_contiguous()
-            and v_cache.is_contiguous())
-    if fits and kv == "tma2d" and ppb == 1:
+    mode = _kv_mode(k_cache, v_cache, kv, block_n)
+    if mode == 2:
         shape = [nb * h_kv * page, d]
         mk = lambda c: TensorDescriptor(c, shape, [d, 1], [block_n, d])  # noqa: E731
-        return 2, mk(k_cache), mk(v_cache), np_, pg
-    if fits:
+    elif mode == 1:
         shape = [nb * ppb, h_kv, page, d]
         strides = [h_kv * page * d, page * d, d, 1]
         mk = lambda c: TensorDescriptor(c, shape, strides, [np_, 1, pg, d])  # noqa: E731
-        return 1, mk(k_cache), mk(v_cache), np_, pg
-    return 0, k_cache, v_cache, np_, pg
+    else:
+        return 0, k_cache, v_cache, np_, pg
+    return mode, mk(k_cache), mk(v_cache), np_, pg
 
 
 def prefill_attention_variant(
@@ -300,7 +303,7 @@ def prefill_attention_variant(
     mode, k_src, v_src, np_, pg = _kv_sources(k_cache, v_cache, kv, block_n)
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     tiles = n_m * bsz * h_kv
-    n_prog = min(tiles, _sm_count(q.device)) if persistent else tiles
+    n_prog = min(tiles, sm_count(q.device, cpu=4)) if persistent else tiles
     _prefill_variant_kernel[(n_prog,)](
         q, k_src, v_src, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_kv, n_m, n_prog,
@@ -318,5 +321,4 @@ def prefill_attention_variant(
 
 def variant_kv_mode(k_cache, kv: str, block_n: int) -> str:
     """Which K/V path a call would take ("ptr", "tma", "tma2d"): the bench labels rows."""
-    mode = _kv_sources(k_cache, k_cache, kv, block_n)[0]
-    return ("ptr", "tma", "tma2d")[mode]
+    return ("ptr", "tma", "tma2d")[_kv_mode(k_cache, k_cache, kv, block_n)]
