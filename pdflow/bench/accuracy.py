@@ -50,7 +50,7 @@ def evaluate_accuracy(
     (default ``context_len``) at each of five depths, scored with the tasks' own rules."""
     from pdflow.engine.sampling_params import SamplingParams
 
-    items = arith_eval_set(n, k_shot=k_shot, seed=seed, max_context=context_len) if n else []
+    items = arith_eval_set(n, k_shot=k_shot, seed=seed, max_context=context_len)
     arith = SamplingParams(temperature=0, max_tokens=max_new_tokens, stop=list(ARITH_STOPS))
     outs = [o.text for o in llm.generate([it.prompt for it in items], arith)] if items else []
     scores = [score_arith(o, it.answer) for o, it in zip(outs, items, strict=True)]
@@ -61,18 +61,16 @@ def evaluate_accuracy(
     samples = retrieval_eval_set(
         context_len=retrieval_len or context_len, depths=DEPTHS, per_depth=per_depth, seed=seed
     )
-    if not per_depth:
-        samples = []
     lookup = SamplingParams(temperature=0, max_tokens=8, stop=list(RETRIEVAL_STOPS))
     r_outs = [o.text for o in llm.generate([s.prompt for s in samples], lookup)] if samples else []
     hits = [score_retrieval(o, s.answer) for o, s in zip(r_outs, samples, strict=True)]
     return AccuracyResult(
         n_arith=len(items),
-        strict=mean([s.strict for s in scores]) if scores else 0.0,
-        flexible=mean([s.flexible for s in scores]) if scores else 0.0,
+        strict=mean([s.strict for s in scores]),
+        flexible=mean([s.flexible for s in scores]),
         strict_by_steps={str(k): mean(v) for k, v in sorted(by_steps.items())},
         n_retrieval=len(samples),
-        retrieval=mean(hits) if hits else 0.0,
+        retrieval=mean(hits),
         retrieval_by_depth={
             str(d): mean([h for h, s in zip(hits, samples, strict=True) if s.depth == d])
             for d in DEPTHS

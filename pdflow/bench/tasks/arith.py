@@ -66,6 +66,12 @@ class _Draft:
         self.steps += 1
         return value
 
+    def has(self, who: str, a: int, op: str, b: int, unit: str) -> int:
+        """One step written as "<who> has a <op> b = <value> <unit>."; returns the value."""
+        value = self.step(a, op, b)
+        self.lines.append(f"{who} has {a} {op} {b} = {value} {unit}.")
+        return value
+
     def done(self, ask: str, answer: int) -> ArithProblem:
         solution = "\n".join([*self.lines, f"#### {answer}"])
         question = " ".join([*self.question, ask])
@@ -99,8 +105,7 @@ def _chain(rng: random.Random, n_steps: int) -> ArithProblem:
                       f"{p} buys {b} more {unit}.", f"{p} gets {b} more {unit} from {q}.")
             )
             d.question.append(rng.choice(verbs))
-            y = d.step(x, "+", b)
-            d.lines.append(f"{p} has {x} + {b} = {y} {unit}.")
+            y = d.has(p, x, "+", b, unit)
         elif op == "sub" and x >= 3:
             b = rng.randint(1, min(40, x - 1))
             verbs = (
@@ -110,8 +115,7 @@ def _chain(rng: random.Random, n_steps: int) -> ArithProblem:
                       f"{p} sells {b} {unit}.", f"{p} uses {b} {unit}.")
             )
             d.question.append(rng.choice(verbs))
-            y = d.step(x, "-", b)
-            d.lines.append(f"{p} has {x} - {b} = {y} {unit}.")
+            y = d.has(p, x, "-", b, unit)
         elif op == "mul":
             k = rng.randint(2, 5) if x <= 60 else rng.randint(2, 3)
             named = {2: "doubles", 3: "triples"}
@@ -119,8 +123,7 @@ def _chain(rng: random.Random, n_steps: int) -> ArithProblem:
                 d.question.append(f"The number of {unit} {p} has {named[k]}.")
             else:
                 d.question.append(f"{p} ends up with {k} times as many {unit} as before.")
-            y = d.step(x, "*", k)
-            d.lines.append(f"{p} has {x} * {k} = {y} {unit}.")
+            y = d.has(p, x, "*", k, unit)
         elif op == "div":
             k = rng.choice([k for k in range(2, 6) if x % k == 0])
             d.question.append(f"{p} splits the {unit} into {k} equal parts and keeps one part.")
@@ -135,8 +138,7 @@ def _chain(rng: random.Random, n_steps: int) -> ArithProblem:
             d.question.append(f"{p} buys {k} {good} for {n} dollars each.")
             m = d.step(k, "*", n)
             d.lines.append(f"The {good} cost {k} * {n} = {m} dollars.")
-            y = d.step(x, "-", m)
-            d.lines.append(f"{p} has {x} - {m} = {y} dollars.")
+            y = d.has(p, x, "-", m, "dollars")
         elif op == "packs":
             k, n = rng.randint(2, 6), rng.randint(2, 12)
             if x + k * n > MAX_VALUE:
@@ -145,8 +147,7 @@ def _chain(rng: random.Random, n_steps: int) -> ArithProblem:
             d.question.append(f"{p} buys {k} {box} of {unit} with {n} {unit} in each.")
             m = d.step(k, "*", n)
             d.lines.append(f"{p} buys {k} * {n} = {m} {unit}.")
-            y = d.step(x, "+", m)
-            d.lines.append(f"{p} has {x} + {m} = {y} {unit}.")
+            y = d.has(p, x, "+", m, unit)
         else:
             continue
         x = y
@@ -163,18 +164,15 @@ def _relate(rng: random.Random, d: _Draft, who: str, base_name: str, base: int, 
     if kind == "more":
         b = rng.randint(2, 40)
         d.question.append(f"{who} has {b} more {unit} than {base_name}.")
-        value = d.step(base, "+", b)
-        d.lines.append(f"{who} has {base} + {b} = {value} {unit}.")
+        value = d.has(who, base, "+", b, unit)
     elif kind == "fewer":
         b = rng.randint(1, min(40, base - 1))
         d.question.append(f"{who} has {b} fewer {unit} than {base_name}.")
-        value = d.step(base, "-", b)
-        d.lines.append(f"{who} has {base} - {b} = {value} {unit}.")
+        value = d.has(who, base, "-", b, unit)
     else:
         k = rng.randint(2, 4)
         d.question.append(f"{who} has {k} times as many {unit} as {base_name}.")
-        value = d.step(base, "*", k)
-        d.lines.append(f"{who} has {base} * {k} = {value} {unit}.")
+        value = d.has(who, base, "*", k, unit)
     return value
 
 

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdflow.bench.tasks.arith import NAMES
+from pdflow.bench.tasks.arith import NAMES, question_block
 from pdflow.bench.tasks.splits import is_heldout
 
 RELATIONS = ("vault code", "locker number", "door code", "badge number", "safe code")
@@ -58,7 +58,7 @@ class Fact:
         return f"The {self.relation} of {self.name} is {self.code}."
 
     def question(self) -> str:
-        return f"Question: What is the {self.relation} of {self.name}?\nAnswer:"
+        return question_block(f"What is the {self.relation} of {self.name}?")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
