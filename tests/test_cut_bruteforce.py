@@ -8,6 +8,8 @@ consumer rank must hold exactly its own heads, token for token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,7 @@ def as_bytes(unit: UnitSpec, codes: np.ndarray) -> np.ndarray:
     return codes.astype(np.uint32).view(np.uint8).reshape(*codes.shape, 4)[..., : unit.itemsize].reshape(-1)
 
 
-def transfer(graph, runs_for=None) -> dict:
+def transfer(graph, runs_for=None) -> tuple[dict[str, int], dict[tuple[int, str], np.ndarray]]:
     """Apply the graph's cut plans (or ``runs_for(src_unit, dst_unit, heads)``) byte by byte."""
     ids = {}
     src = {}
@@ -66,7 +68,7 @@ def transfer(graph, runs_for=None) -> dict:
                 runs = group.runs
                 if runs_for is not None:
                     s, d = prank.unit(src_name), crank.unit(dst_name)
-                    heads = tuple(h for h in d.heads if h in s.heads) or ()
+                    heads = tuple(h for h in d.heads if h in s.heads)
                     runs = runs_for(s, d, heads)
                 buf, out = src[(prank.rank, src_name)], dst[(crank.rank, dst_name)]
                 for run in runs:
@@ -119,14 +121,9 @@ def test_reference_geometry_pp4_to_tp4_with_fp8_and_indexer(graph_of):
 
 def page_ignorant_runs(src: UnitSpec, dst: UnitSpec, heads):
     """The bug the reference deployment's second row shipped: cut as if page == block."""
-    as_block = dict(page_tokens=src.block_size)
-    fake_src = UnitSpec(**{**_fields(src), **as_block})
-    fake_dst = UnitSpec(**{**_fields(dst), **as_block})
+    fake_src = replace(src, page_tokens=src.block_size)
+    fake_dst = replace(dst, page_tokens=src.block_size)
     return plan_runs(fake_src, fake_dst, heads)
-
-
-def _fields(unit: UnitSpec) -> dict:
-    return {f: getattr(unit, f) for f in UnitSpec.__dataclass_fields__}
 
 
 def test_page_ignorant_cut_is_caught(graph_of):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+
+from pdflow import LLM, SamplingParams
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+from pdflow.spec import ParallelSpec
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-transformers = pytest.importorskip("transformers")
-
-from pdflow import LLM, SamplingParams  # noqa: E402
-from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
-from pdflow.spec import ParallelSpec  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 

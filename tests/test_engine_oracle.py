@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from pdflow import LLM, SamplingParams  # noqa: E402
-from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
-from pdflow.spec import ParallelSpec  # noqa: E402
+from pdflow import LLM, SamplingParams
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+from pdflow.spec import ParallelSpec
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40, 64, 33)

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-from pdflow import LLM, SamplingParams  # noqa: E402
-from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
-from pdflow.spec import ParallelSpec  # noqa: E402
+from pdflow import LLM, SamplingParams
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+from pdflow.spec import ParallelSpec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

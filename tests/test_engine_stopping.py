@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from pdflow import LLM, SamplingParams  # noqa: E402
-from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
-from pdflow.spec import ParallelSpec  # noqa: E402
+from pdflow import LLM, SamplingParams
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+from pdflow.spec import ParallelSpec
 
 PROMPT = "w10 w11 w12 w13 w14"
 

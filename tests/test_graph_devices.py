@@ -14,9 +14,7 @@ from pdflow.parallel.launcher import RankContext
 from pdflow.spec import ModelSpec, ParallelSpec
 from pdflow.spec.load import compose_spec
 
-
-def graph_of_cuda():
-    return build_graph(compose_spec(["prefill=pp4", "decode=tp4", "prefill.device=cuda", "decode.device=cuda"]))
+CUDA_PP4_TP4 = ("prefill=pp4", "decode=tp4", "prefill.device=cuda", "decode.device=cuda")
 
 
 def devices(graph, role: str) -> list[int]:
@@ -59,9 +57,9 @@ def test_one_instance_llm_spec_starts_at_gpu_0():
     assert devices(build_graph(run_spec_for(model, shifted)), "decode") == [6, 7]
 
 
-def test_rank_device_is_the_graphs_index(monkeypatch):
+def test_rank_device_is_the_graphs_index(graph_of, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    graph = graph_of_cuda().raise_if_refused()
+    graph = graph_of(*CUDA_PP4_TP4).raise_if_refused()
     par = graph.spec.decode
     assert [rank_worker.rank_device(par, r) for r in graph.instance("decode").ranks] == [
         torch.device("cuda", i) for i in (4, 5, 6, 7)
@@ -77,10 +75,10 @@ class _Stop(Exception):
     pass
 
 
-def test_serve_rank_sets_the_graphs_gpu(monkeypatch):
+def test_serve_rank_sets_the_graphs_gpu(graph_of, monkeypatch):
     """The worker asks the graph, not ``rank % device_count``: with one visible GPU the
     old rule would have put every rank on GPU 0."""
-    spec = graph_of_cuda().spec
+    spec = graph_of(*CUDA_PP4_TP4).spec
     chosen = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from pdflow.attention.backends import get_backend  # noqa: E402
-from pdflow.attention.kv_cache import KVCacheBinding  # noqa: E402
-from pdflow.attention.metadata import AttentionMetadata  # noqa: E402
-from pdflow.graph.heads import rank_heads  # noqa: E402
-from pdflow.graph.units import UnitSpec  # noqa: E402
-from pdflow.model.config import DecoderConfig  # noqa: E402
-from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
-from pdflow.model.loader import build_model  # noqa: E402
-from pdflow.model.paths import resolve_model_path  # noqa: E402
-from pdflow.model.rope import inverse_frequencies  # noqa: E402
+from pdflow.attention.backends import get_backend
+from pdflow.attention.kv_cache import KVCacheBinding
+from pdflow.attention.metadata import AttentionMetadata
+from pdflow.graph.heads import rank_heads
+from pdflow.graph.units import UnitSpec
+from pdflow.model.config import DecoderConfig
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+from pdflow.model.loader import build_model
+from pdflow.model.paths import resolve_model_path
+from pdflow.model.rope import inverse_frequencies
 
 CPU = torch.device("cpu")
 

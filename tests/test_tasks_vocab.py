@@ -1,10 +1,8 @@
 """The character tokenizer: fits the model's vocab, round-trips, loads with AutoTokenizer."""
 
-import pytest
+import transformers
 
 from pdflow.bench.tasks import vocab as V
-
-transformers = pytest.importorskip("transformers")
 
 
 def test_vocab_fits_tiny_geometry():
