@@ -59,21 +59,8 @@ def check_all(run) -> None:
             got = block_attention(qb, kx, vx, kc, vc, cl, bt, dd**-0.5, num_splits=splits)
             want = ref.block_attention(*T.as64(qb, kx, vx, kc, vc), cl, bt, dd**-0.5)
             _record(run, f"block K={kb} {h_q}/{h_kv} page{page} splits={splits}", got, want, dt)
-    plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
-                                                        [4096, 1000, 1500, 8])
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device=dev)
+    check_prefill(run)
     for page, ppb in PAGES:
-        kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, dev)
-        q = T.randn(sum(qlens), hq, d, dtype=DT, device=dev)
-        got = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5)
-        want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
-        _record(run, f"prefill {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got, want, DT)
-        if prefill_gluon.gluon_applies(q, kc, vc):
-            got = prefill_gluon.prefill_attention_gluon(q, kc, vc, cu, cl, bt, d**-0.5,
-                                                        out=torch.full_like(q, float("nan")))
-            _record(run, f"prefill gluon {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got,
-                    want, DT)
         n = 100 if run.tiny else 70_000
         nb = n // (page * ppb) + 2
         slots = torch.randperm(nb * page * ppb, device=dev)[:n]
@@ -89,19 +76,33 @@ def check_all(run) -> None:
         print(f"  {'ok  ' if same else 'FAIL'} store_kv page{page} n={n}", flush=True)
 
 
-def check_prefill(run) -> None:
-    """The default prefill kernel only (``--prefill-only``): prefix hits, verify rows."""
+def _prefix_case(run, page, ppb):
+    """Prefix hits, a long prompt, a chunk and an 8-token verify row on a NaN-poisoned
+    cache: (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)."""
     hq, hkv, d = _heads(run)
     plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
                                                         [4096, 1000, 1500, 8])
+    kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, run.dev)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
                       device=run.dev)
+    q = T.randn(sum(qlens), hq, d, dtype=DT, device=run.dev)
+    return q, kc, vc, cu, cl, bt
+
+
+def check_prefill(run) -> None:
+    """The backend's prefill kernel, and the Gluon one where it applies, against float64
+    on the prefix-hit case at both page sizes."""
+    hq, hkv, d = _heads(run)
     for page, ppb in PAGES:
-        kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, run.dev)
-        q = T.randn(sum(qlens), hq, d, dtype=DT, device=run.dev)
-        got = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5)
+        q, kc, vc, cu, cl, bt = args = _prefix_case(run, page, ppb)
         want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
+        got = prefill_attention(*args, d**-0.5)
         _record(run, f"prefill {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got, want, DT)
+        if prefill_gluon.gluon_applies(q, kc, vc):
+            got = prefill_gluon.prefill_attention_gluon(*args, d**-0.5,
+                                                        out=torch.full_like(q, float("nan")))
+            _record(run, f"prefill gluon {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got,
+                    want, DT)
 
 
 def _safe(run, label, fn, *args, **kwargs):

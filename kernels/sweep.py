@@ -16,6 +16,7 @@ import torch
 from . import prefill_gluon
 from . import reference as ref
 from . import testing as T
+from .benchmarks import _causal_flops, _heads, _prefill_case, _prefix_case
 from .decode_attention import decode_attention
 from .prefill_attention import prefill_attention
 from .prefill_variants import prefill_attention_variant, variant_kv_mode
@@ -58,7 +59,7 @@ def _best(run, rows):
 
 
 def sweep_decode(run, page, ppb, tiles, splits):
-    hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
+    hq, hkv, d = _heads(run)
     b, ctx = (2, 40) if run.tiny else (64, 8192)
     kc, vc, cl, bt = T.random_paged(b, ctx, hkv, d, page, ppb, torch.bfloat16, run.dev)
     q = T.randn(b, hq, d, dtype=torch.bfloat16, device=run.dev)
@@ -76,13 +77,11 @@ def sweep_decode(run, page, ppb, tiles, splits):
 
 
 def sweep_prefill(run, page, ppb, tiles):
-    hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
+    hq, hkv, d = _heads(run)
     t = 48 if run.tiny else 8192
-    kc, vc, cl, bt = T.random_paged(1, t, hkv, d, page, ppb, torch.bfloat16, run.dev)
-    q = T.randn(t, hq, d, dtype=torch.bfloat16, device=run.dev)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
+    q, kc, vc, cu, cl, bt = _prefill_case(run, t, page, ppb)
     default = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t)
-    flops = 4 * hq * d * t * (t + 1) // 2
+    flops = _causal_flops(t, hq, d)
     rows = []
     for bm, bn, w, st in tiles:
         params = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
@@ -113,13 +112,11 @@ def _label(kw, mode):
 def sweep_prefill_variants(run, page, ppb, t=None):
     """Each variant vs SDPA causal timed in the same run (run.sdpa_ms); ``tma2d`` falls
     back to the 4D page boxes below page == block, so page 16 runs each as "tma"."""
-    hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
+    hq, hkv, d = _heads(run)
     t = t or (48 if run.tiny else 8192)
-    kc, vc, cl, bt = T.random_paged(1, t, hkv, d, page, ppb, torch.bfloat16, run.dev)
-    q = T.randn(t, hq, d, dtype=torch.bfloat16, device=run.dev)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
+    q, kc, vc, cu, cl, bt = _prefill_case(run, t, page, ppb)
     default = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t)
-    flops = 4 * hq * d * t * (t + 1) // 2
+    flops = _causal_flops(t, hq, d)
     base = getattr(run, "sdpa_ms", {}).get(t)
     rows, seen = [], set()
     for variant in PREFILL_VARIANTS:
@@ -171,20 +168,11 @@ def _round_call(kw, tiny):
 def _round_inputs(run, page, ppb):
     """The realistic check case (prefix hits, a verify row; float64 reference) and the
     timing case (one 8K causal prompt) for one page size."""
-    hq, hkv, d = (4, 2, 64) if run.tiny else (32, 8, 128)
-    plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
-                                                          [4096, 1000, 1500, 8])
-    kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, torch.bfloat16, run.dev)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device=run.dev)
-    q = T.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=run.dev)
-    check = (q, kc, vc, cu, cl, bt)
+    hq, hkv, d = _heads(run)
+    check = q, kc, vc, cu, cl, bt = _prefix_case(run, page, ppb)
     want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
     t = 48 if run.tiny else 8192
-    kc, vc, cl, bt = T.random_paged(1, t, hkv, d, page, ppb, torch.bfloat16, run.dev)
-    q = T.randn(t, hq, d, dtype=torch.bfloat16, device=run.dev)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
-    return check, want, (q, kc, vc, cu, cl, bt), t, 4 * hq * d * t * (t + 1) // 2, d**-0.5
+    return check, want, _prefill_case(run, t, page, ppb), t, _causal_flops(t, hq, d), d**-0.5
 
 
 # Round 5: the Gluon kernel (FA3 schedule, page 128 only), its measured knobs around the

@@ -45,12 +45,9 @@ class Run:
     """Holds the shapes for the mode, the timer and the rows collected so far."""
 
     def __init__(self, args):
-        import torch
-
         self.args, self.t0, self.rows, self.checks = args, time.time(), [], []
         self.dev = "cpu" if args.dry_run else "cuda"
         self.tiny = args.dry_run
-        self.torch = torch
         self.copy_tbs = None
         self.info = None
 

@@ -23,7 +23,7 @@ def test_help_works():
 def test_dry_run_checks_and_times(tmp_path):
     # Block hydra/omegaconf as the GPU image lacks them: the script must not need them.
     code = ("import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None; "
-            f"sys.argv = ['bench', '--dry-run', '--no-sweep', '--out', {str(tmp_path)!r}]; "
+            f"sys.argv = ['bench', '--dry-run', '--no-sweep', '--budget-s', '1e9', '--out', {str(tmp_path)!r}]; "
             f"import runpy; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

@@ -114,7 +114,7 @@ def test_prefill_only_dry_run_checks_then_times_every_variant(tmp_path):
     from pdflow.kernels import sweep
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
-    out = subprocess.run([sys.executable, str(script), "--dry-run", "--prefill-only", "--out",
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--prefill-only", "--budget-s", "1e9", "--out",
                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
