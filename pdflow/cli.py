@@ -12,7 +12,6 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import pdflow.spec.store  # noqa: F401  (registers schemas before Hydra composes)
 from pdflow.graph import GraphRefused, build_graph
 from pdflow.spec.load import spec_from_config
 
@@ -45,7 +44,7 @@ def _plan(cfg: DictConfig) -> None:
         render(graph)
     if graph.refusals:
         _state["refused_jobs"] += 1
-        print(GraphRefused(list(graph.refusals)), file=sys.stderr)
+        print(GraphRefused(graph.refusals), file=sys.stderr)
 
 
 COMMANDS = {"plan": _plan}

@@ -4,7 +4,7 @@ Pure Python (no torch, no sockets): ``pdflow plan`` runs it anywhere.
 """
 
 from pdflow.graph.cut import CutPlan, CutRun, plan_runs
-from pdflow.graph.placement import CONSUMER, PRODUCER, InstancePlan, RankPlan, StagePlan
+from pdflow.graph.placement import CONSUMER, PRODUCER, InstancePlan, RankPlan, StagePlan, parallel_of
 from pdflow.graph.refusals import Code, GraphRefused, Refusal
 from pdflow.graph.run_graph import RunGraph, build_graph
 from pdflow.graph.units import Run, UnitSpec
@@ -24,5 +24,6 @@ __all__ = [
     "StagePlan",
     "UnitSpec",
     "build_graph",
+    "parallel_of",
     "plan_runs",
 ]

@@ -35,8 +35,7 @@ class BlockBudget:
 
 
 def _drafter_params(model: ModelSpec, drafter: DrafterSpec, num_taps: int) -> int:
-    if not drafter.enabled:
-        return 0
+    """Drafter parameters; called only for the stage that holds the (enabled) drafter."""
     if drafter.param_count is not None:
         return drafter.param_count
     fc = max(num_taps, 2) * model.hidden * model.hidden

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdflow.graph.heads import default_taps, heads_divisible
-from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition
+from pdflow.graph.heads import default_taps, heads_divisible, rank_heads
+from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition, parallel_of
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
 
@@ -20,7 +20,7 @@ def resolved_taps(spec: RunSpec) -> list[int]:
 
 
 def _sides(spec: RunSpec) -> list[tuple[str, ParallelSpec]]:
-    return [(PRODUCER, spec.prefill), (CONSUMER, spec.decode)]
+    return [(role, parallel_of(spec, role)) for role in (PRODUCER, CONSUMER)]
 
 
 def check_partitions(spec: RunSpec) -> list[Refusal]:
@@ -136,11 +136,9 @@ def check_drafter(spec: RunSpec) -> list[Refusal]:
 
 def check_grid(spec: RunSpec) -> list[Refusal]:
     out = []
-    d = spec.drafter
+    kvs = [spec.model.kv_heads] + ([spec.drafter.kv_heads] if spec.drafter.enabled else [])
     for role, par in _sides(spec):
-        per_rank = max(1, spec.model.kv_heads // par.tp)
-        if d.enabled:
-            per_rank = max(per_rank, d.kv_heads // par.tp)
+        per_rank = max(len(rank_heads(kv, par.tp, 0)) for kv in kvs)
         rows = par.max_num_batched_tokens * per_rank
         if rows > GRID_ROW_LIMIT:
             out.append(

@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pdflow.graph.placement import InstancePlan, RankPlan
-from pdflow.graph.regions import Region
+from pdflow.graph.regions import Region, unit_catalog
 from pdflow.graph.units import UnitSpec
 
 
@@ -49,9 +49,8 @@ def plan_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...]) -> tuple[Cut
 
     For every page p the slice sits at ``((p*H_src) + a) * span`` in the producer and lands
     at ``((p*H_dst) + a') * span`` in the consumer; runs contiguous on both sides merge.
+    A headless unit (no heads) moves as one run of its whole block.
     """
-    if not src.heads:
-        return (CutRun(src=0, dst=0, length=src.bytes_per_block),)
     src_runs = src.head_major_runs(heads)
     dst_runs = dst.head_major_runs(heads)
     merged: list[CutRun] = []
@@ -84,10 +83,7 @@ def _sources(holders: list[tuple[RankPlan, UnitSpec]], dst: UnitSpec):
 
 
 def build_cut_plans(producer: InstancePlan, consumer: InstancePlan, regions: list[Region]) -> list[CutPlan]:
-    holders: dict[str, list[tuple[RankPlan, UnitSpec]]] = defaultdict(list)
-    for rank in producer.ranks:
-        for unit in rank.units:
-            holders[unit.name].append((rank, unit))
+    holders = unit_catalog(producer)
     src_of = {r.consumer_unit: r.producer_unit for r in regions}
     groups: dict[tuple[int, int], dict[tuple[CutRun, ...], list[tuple[str, str]]]] = defaultdict(
         lambda: defaultdict(list)

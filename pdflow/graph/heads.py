@@ -16,13 +16,6 @@ def rank_heads(kv_heads: int, tp: int, tp_rank: int) -> tuple[int, ...]:
     return (tp_rank // (tp // kv_heads),)
 
 
-def source_rank(kv_heads: int, tp: int, head: int) -> int:
-    """The one TP rank that sends a head when heads are replicated: its first holder."""
-    if tp <= kv_heads:
-        return head // (kv_heads // tp)
-    return head * (tp // kv_heads)
-
-
 def even_partition(layers: int, stages: int) -> list[int]:
     base, extra = divmod(layers, stages)
     return [base + (1 if i < extra else 0) for i in range(stages)]

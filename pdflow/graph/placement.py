@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdflow.graph.heads import even_partition, lighter_last_partition, rank_heads
 from pdflow.graph.units import DRAFT, INDEXER, TARGET, UnitSpec
-from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec
+from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
 from pdflow.spec.dtypes import canonical_dtype
 
 PRODUCER, CONSUMER = "prefill", "decode"
@@ -83,7 +83,12 @@ def draft_dtype(model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec) -> st
     return kv_dtype(model, par) if drafter.dtype == "auto" else canonical_dtype(drafter.dtype)
 
 
-def first_device(role: str, prefill: ParallelSpec, decode: ParallelSpec) -> int:
+def parallel_of(spec: RunSpec, role: str) -> ParallelSpec:
+    """The parallel spec of ``role``'s instance: the prefill's for the producer, else the decode's."""
+    return spec.prefill if role == PRODUCER else spec.decode
+
+
+def first_device(spec: RunSpec, role: str) -> int:
     """GPU index of ``role``'s rank 0; its rank r sits on ``first_device + r``, one GPU each.
 
     An instance's ``device_offset`` wins when set. Otherwise the prefill starts at GPU 0
@@ -91,10 +96,10 @@ def first_device(role: str, prefill: ParallelSpec, decode: ParallelSpec) -> int:
     shares a GPU: PP4 prefill -> TP4 decode puts the prefill stages on GPUs 0-3 and the
     decode ranks on 4-7, as the reference deployment does.
     """
-    par = prefill if role == PRODUCER else decode
+    par = parallel_of(spec, role)
     if par.device_offset is not None:
         return par.device_offset
-    return 0 if role == PRODUCER else prefill.world_size
+    return 0 if role == PRODUCER else spec.prefill.world_size
 
 
 def _rank_units(
@@ -106,50 +111,38 @@ def _rank_units(
     heads: tuple[int, ...],
     draft_heads: tuple[int, ...],
 ) -> tuple[UnitSpec, ...]:
-    dtype = kv_dtype(model, par)
+    # Per-family geometry; DRAFT only when this rank holds the drafter, so a bad
+    # drafter.dtype with the drafter off is never resolved.
+    geo = {
+        TARGET: dict(
+            heads=heads, head_dim=model.head_dim, dtype=kv_dtype(model, par), page_tokens=par.kv_page_tokens
+        ),
+        INDEXER: dict(
+            heads=(),
+            head_dim=model.indexer_key_dim,
+            dtype=model.indexer_dtype,
+            page_tokens=par.kv_page_tokens,
+        ),
+    }
+    if draft_heads:
+        geo[DRAFT] = dict(
+            heads=draft_heads,
+            head_dim=drafter.head_dim,
+            dtype=draft_dtype(model, par, drafter),
+            page_tokens=drafter.page_tokens,
+        )
+
+    def unit(family: str, fld: str, layer: int) -> UnitSpec:
+        return UnitSpec(family=family, field=fld, layer=layer, block_size=par.block_size, **geo[family])
+
     units: list[UnitSpec] = []
     indexed = set(model.indexer_layers or ())
     for layer in layers:
-        for fld in ("k", "v"):
-            units.append(
-                UnitSpec(
-                    family=TARGET,
-                    field=fld,
-                    layer=layer,
-                    heads=heads,
-                    head_dim=model.head_dim,
-                    dtype=dtype,
-                    page_tokens=par.kv_page_tokens,
-                    block_size=par.block_size,
-                )
-            )
+        units += [unit(TARGET, fld, layer) for fld in ("k", "v")]
         if layer in indexed:
-            units.append(
-                UnitSpec(
-                    family=INDEXER,
-                    field="key",
-                    layer=layer,
-                    heads=(),
-                    head_dim=model.indexer_key_dim,
-                    dtype=model.indexer_dtype,
-                    page_tokens=par.kv_page_tokens,
-                    block_size=par.block_size,
-                )
-            )
+            units.append(unit(INDEXER, "key", layer))
     for row in range(drafter.layers if draft_heads else 0):
-        for fld in ("k", "v"):
-            units.append(
-                UnitSpec(
-                    family=DRAFT,
-                    field=fld,
-                    layer=row,
-                    heads=draft_heads,
-                    head_dim=drafter.head_dim,
-                    dtype=draft_dtype(model, par, drafter),
-                    page_tokens=drafter.page_tokens,
-                    block_size=par.block_size,
-                )
-            )
+        units += [unit(DRAFT, fld, row) for fld in ("k", "v")]
     return tuple(units)
 
 
@@ -188,12 +181,13 @@ def place_instance(
                 heads=heads,
                 draft_heads=d_heads,
             )
+            rank = s * par.tp + t
             ranks.append(
                 RankPlan(
                     role=role,
-                    rank=s * par.tp + t,
+                    rank=rank,
                     stage=s,
-                    device_index=device_base + s * par.tp + t,
+                    device_index=device_base + rank,
                     tp_rank=t,
                     heads=heads,
                     draft_heads=d_heads,

@@ -6,6 +6,7 @@ parts involved, and a fix a user can apply.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,7 +57,7 @@ class Refusal:
 class GraphRefused(Exception):
     """Raised by commands when the run graph has refusals; carries all of them."""
 
-    def __init__(self, refusals: list[Refusal]):
+    def __init__(self, refusals: Iterable[Refusal]):
         self.refusals = list(refusals)
         lines = "\n".join(f"  - {r}" for r in self.refusals)
         super().__init__(f"the run graph is refused ({len(self.refusals)} reasons):\n{lines}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pdflow.graph.placement import InstancePlan
+from pdflow.graph.placement import InstancePlan, RankPlan
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.graph.units import UnitSpec
 
@@ -16,12 +16,12 @@ class Region:
     consumer_unit: str
 
 
-def unit_catalog(instance: InstancePlan) -> dict[str, list[UnitSpec]]:
-    """Every unit name of an instance with its per-rank specs (one per holding rank)."""
-    catalog: dict[str, list[UnitSpec]] = defaultdict(list)
+def unit_catalog(instance: InstancePlan) -> dict[str, list[tuple[RankPlan, UnitSpec]]]:
+    """Every unit name of an instance with its holders: (rank, that rank's spec) pairs."""
+    catalog: dict[str, list[tuple[RankPlan, UnitSpec]]] = defaultdict(list)
     for rank in instance.ranks:
         for unit in rank.units:
-            catalog[unit.name].append(unit)
+            catalog[unit.name].append((rank, unit))
     return dict(catalog)
 
 
@@ -31,12 +31,12 @@ def slot_key(name: str) -> str:
     return f"{family}.{rest}"
 
 
-def _all_heads(units: list[UnitSpec]) -> tuple[int, ...]:
-    return tuple(sorted({h for u in units for h in u.heads}))
+def _all_heads(holders: list[tuple[RankPlan, UnitSpec]]) -> tuple[int, ...]:
+    return tuple(sorted({h for _, u in holders for h in u.heads}))
 
 
-def _mismatches(src: list[UnitSpec], dst: list[UnitSpec]) -> list[Refusal]:
-    a, b = src[0], dst[0]
+def _mismatches(src: list[tuple[RankPlan, UnitSpec]], dst: list[tuple[RankPlan, UnitSpec]]) -> list[Refusal]:
+    a, b = src[0][1], dst[0][1]
     pair = f"producer unit {a.name} -> consumer unit {b.name}"
     checks = [
         (
@@ -113,7 +113,7 @@ def build_regions(
     # By name; a name that differs only in geometry still pairs, so the mismatch is named.
     by_slot = {slot_key(name): name for name in dst_units}
     for src in src_units:
-        dst = explicit.get(src, src if src in dst_units else by_slot.get(slot_key(src), src))
+        dst = explicit.get(src, by_slot.get(slot_key(src), src))
         if not dst:
             continue  # mapped to "": deliberately not sent
         if dst not in dst_units:

@@ -15,6 +15,7 @@ from pdflow.graph.placement import (
     InstancePlan,
     RankPlan,
     first_device,
+    parallel_of,
     place_instance,
 )
 from pdflow.graph.refusals import STRUCTURAL, Code, GraphRefused, Refusal
@@ -51,7 +52,7 @@ class RunGraph:
 
     def raise_if_refused(self) -> RunGraph:
         if self.refusals:
-            raise GraphRefused(list(self.refusals))
+            raise GraphRefused(self.refusals)
         return self
 
     def codes(self) -> set[Code]:
@@ -60,7 +61,7 @@ class RunGraph:
     def instance(self, role: str) -> InstancePlan:
         plan = self.producer if role == PRODUCER else self.consumer
         if plan is None:
-            raise GraphRefused(list(self.refusals))
+            raise GraphRefused(self.refusals)
         return plan
 
     def rank(self, role: str, rank: int) -> RankPlan:
@@ -100,13 +101,16 @@ def build_graph(spec: RunSpec) -> RunGraph:
     if any(r.code in STRUCTURAL for r in refusals):
         return RunGraph(spec=spec, refusals=tuple(refusals), **empty)
     taps = [t for t in resolved_taps(spec) if 0 <= t < spec.model.layers]
-    producer = place_instance(
-        PRODUCER, spec.model, spec.prefill, spec.drafter, taps,
-        device_base=first_device(PRODUCER, spec.prefill, spec.decode),
-    )
-    consumer = place_instance(
-        CONSUMER, spec.model, spec.decode, spec.drafter, taps,
-        device_base=first_device(CONSUMER, spec.prefill, spec.decode),
+    producer, consumer = (
+        place_instance(
+            role,
+            spec.model,
+            parallel_of(spec, role),
+            spec.drafter,
+            taps,
+            device_base=first_device(spec, role),
+        )
+        for role in (PRODUCER, CONSUMER)
     )
     drafter = None
     if spec.drafter.enabled:
@@ -121,8 +125,8 @@ def build_graph(spec: RunSpec) -> RunGraph:
     refusals += region_refusals
     cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions)
     budgets = {}
-    for role, plan, par in ((PRODUCER, producer, spec.prefill), (CONSUMER, consumer, spec.decode)):
-        budget = block_budget(role, plan, spec.model, par, spec.drafter, len(taps))
+    for role, plan in ((PRODUCER, producer), (CONSUMER, consumer)):
+        budget = block_budget(role, plan, spec.model, parallel_of(spec, role), spec.drafter, len(taps))
         budgets[role] = budget
         if budget.pool_blocks < 1:
             worst = budget.stages[budget.binding_stage]

@@ -27,8 +27,3 @@ def compose_spec(overrides: Sequence[str] = ()) -> RunSpec:
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides))
     return spec_from_config(cfg)
-
-
-def resolved_container(spec: RunSpec) -> dict:
-    """A plain, resolver-free dict of a spec, for children and for logging."""
-    return OmegaConf.to_container(OmegaConf.structured(spec), resolve=True)
