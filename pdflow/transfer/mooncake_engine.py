@@ -1,6 +1,6 @@
 """The Mooncake Transfer Engine behind pdflow's KV transfer: one engine per rank.
 
-Each rank registers its KV cache tensors once; a producer rank then writes descriptor
+Each rank registers its KV cache tensors (``register_unit``) once; a producer rank then writes descriptor
 batches (``descriptors.block_descriptors``) straight into a consumer rank's registered
 caches, named by the consumer's session id (``host:rpc_port``, P2P handshake, no
 metadata server). TCP works on loopback with the non-CUDA wheel
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from pdflow.attention.kv_cache import KVCacheBinding
 from pdflow.graph.units import UnitSpec
 from pdflow.spec import TransferSpec
 from pdflow.transfer.descriptors import Descriptors, UnitRegion
@@ -57,15 +56,11 @@ class MooncakeTransport:
         """Register one unit's cache tensor (laid out as ``unit.cache_shape``)."""
         if tuple(cache.shape[1:]) != unit.cache_shape(cache.shape[0])[1:]:
             raise ValueError(f"{unit.name}: cache shape {tuple(cache.shape)} is not the unit's layout")
-        if cache.stride(0) * cache.element_size() != unit.bytes_per_block:
-            raise ValueError(f"{unit.name}: cache blocks are not {unit.bytes_per_block} bytes apart")
+        if cache.element_size() != unit.itemsize:
+            raise ValueError(f"{unit.name}: {cache.dtype} elements are not {unit.itemsize} bytes")
+        # register() refuses a non-contiguous tensor, so block b starts b * bytes_per_block in.
         return UnitRegion(base=self.register(cache), block_bytes=unit.bytes_per_block,
                           num_blocks=cache.shape[0])
-
-    def register_binding(self, binding: KVCacheBinding) -> dict[str, UnitRegion]:
-        """Register every cache of a rank's KV binding; regions keyed by unit name."""
-        return {unit.name: self.register_unit(unit, binding.caches[key])
-                for key, unit in binding.units.items()}
 
     def write(self, peer: str, descriptors: Descriptors) -> None:
         """Write every descriptor to ``peer`` (a session id), ``descriptor_batch`` at a time."""
