@@ -6,7 +6,6 @@ import torch
 
 from pdflow.graph.units import UnitSpec
 
-FIELDS = ("k", "v")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

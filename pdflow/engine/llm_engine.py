@@ -17,10 +17,9 @@ from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import Sequence
 from pdflow.engine.step_input import build_step_input
-from pdflow.graph import CONSUMER, PRODUCER, build_graph
+from pdflow.graph import CONSUMER, PRODUCER, build_graph, parallel_of
 from pdflow.model.config import DecoderConfig
-from pdflow.model.loader import build_model
-from pdflow.model.paths import resolve_model_path
+from pdflow.model.loader import build_model, model_config
 from pdflow.model.tokenizer import load_tokenizer
 from pdflow.spec import RunSpec
 
@@ -34,12 +33,10 @@ class LLMEngine:
         if role not in (PRODUCER, CONSUMER):
             raise ValueError(f"role must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
         self.spec, self.role = spec, role
-        parallel = spec.decode if role == CONSUMER else spec.prefill
+        parallel = parallel_of(spec, role)
         self.parallel = parallel
         self.graph = build_graph(spec).raise_if_refused()
-        folder = resolve_model_path(spec.model.path) if spec.model.path else None
-        cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(spec.model)
-        cfg.check_matches(spec.model)
+        folder, cfg = model_config(spec.model)
         self.config = cfg
         self.dtype = spec.model.dtype
         self.device = torch.device(parallel.device)

@@ -47,8 +47,7 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, meta)  # the graph's buffer: use it now
         else:
             hidden, _ = self.stage.forward(ids, positions, meta)
-        tokens, logprobs = self.stage.sample(step, self.stage.logits(step, hidden))
-        return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
+        return self.stage.output(step, self.stage.logits(step, hidden))
 
     def shutdown(self) -> None:
         pass

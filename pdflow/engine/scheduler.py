@@ -71,17 +71,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.in_flight:
                 continue  # preempted earlier in this loop, or its last step is not back
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            fits = True
-            while fits and not self.blocks.allocate(seq, seq.num_computed_tokens + n):
-                victim = next((v for v in reversed(self.running) if not v.in_flight), None)
-                if victim is None:
-                    fits = False  # only in-flight sequences hold blocks: wait for them
-                    break
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+                # The newest sequence whose step is back; ``seq`` itself at worst.
+                victim = next(v for v in reversed(self.running) if not v.in_flight)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-            if fits and seq.status is SequenceStatus.RUNNING:
+            if seq.status is SequenceStatus.RUNNING:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n

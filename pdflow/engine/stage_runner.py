@@ -14,7 +14,7 @@ import torch
 from pdflow.attention.metadata import AttentionMetadata
 from pdflow.engine.sampler import Sampler, make_generator
 from pdflow.model.decoder import CausalLM
-from pdflow.parallel.messages import StepInput
+from pdflow.parallel.messages import StepInput, StepOutput
 
 
 class StageRunner:
@@ -56,6 +56,11 @@ class StageRunner:
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(step.sample_rows, torch.int64)])
+
+    def output(self, step: StepInput, logits: torch.Tensor | None) -> StepOutput:
+        """The step's answer to the owner: sampled tokens and their logprobs."""
+        tokens, logprobs = self.sample(step, logits)
+        return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
 
     def sample(self, step: StepInput, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
         for rid in step.released_seq_ids:

@@ -7,6 +7,18 @@ from pdflow.engine.sequence import Sequence
 from pdflow.parallel.messages import SamplingSpec, StepInput
 
 
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Cache slots of positions [start, end): one range per block, not a Python step per
+    token (a prefill step can carry thousands)."""
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        stop = min(end, (block + 1) * block_size)
+        first = table[block] * block_size + offset
+        slots.extend(range(first, first + stop - pos))
+        pos = stop
+
+
 def build_step_input(
     batch: ScheduledBatch, *, block_size: int, step: int, released: list[str]
 ) -> tuple[StepInput, list[Sequence]]:
@@ -19,8 +31,7 @@ def build_step_input(
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
-        table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        _extend_slots(slots, seq.block_table, start, end, block_size)
         cu.append(cu[-1] + n)
         ctx.append(end)
         if end == seq.num_tokens:

@@ -38,11 +38,6 @@ class DecoderConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads, {self.num_kv_heads} KV heads: not GQA")
 
-    @property
-    def rope_type(self) -> str:
-        scaling = self.rope_scaling or {}
-        return scaling.get("rope_type", scaling.get("type", "default"))
-
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
         archs = raw.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(raw.get("model_type"), "")]

@@ -11,6 +11,8 @@ from safetensors import safe_open
 
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
+from pdflow.model.paths import resolve_model_path
+from pdflow.spec import ModelSpec
 
 # HF name fragment -> (our stacked parameter fragment, shard id for its weight_loader).
 STACKED = {
@@ -77,6 +79,15 @@ def random_init(model: CausalLM, *, seed: int, std: float = 0.02) -> None:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def model_config(model: ModelSpec) -> tuple[Path | None, DecoderConfig]:
+    """The checkpoint folder (None: a random model of the spec's geometry) and its config,
+    checked against the spec."""
+    folder = resolve_model_path(model.path) if model.path else None
+    cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(model)
+    cfg.check_matches(model)
+    return folder, cfg
 
 
 def build_model(

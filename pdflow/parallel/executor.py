@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdflow.graph import RunGraph
+from pdflow.graph import RunGraph, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
 from pdflow.parallel.messages import StepInput, StepOutput
@@ -24,12 +24,12 @@ class DistributedExecutor:
     def __init__(self, graph: RunGraph, role: str, launcher: Launcher | None = None):
         spec = graph.raise_if_refused().spec
         plan = graph.instance(role)
-        par = spec.prefill if role == "prefill" else spec.decode
+        par = parallel_of(spec, role)
         self.step_timeout_s = par.step_timeout_s
         self.driver = driver_rank(plan)
         self.depth = par.steps_in_flight
         self.launcher = launcher or LocalLauncher(spec, role, serve_rank, [r.label for r in plan.ranks])
-        self.ready = self.launcher.start()
+        self.launcher.start()
         self._pending: deque[int] = deque()
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
 

@@ -14,8 +14,6 @@ from pdflow.graph.placement import InstancePlan, RankPlan
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankTopology:
-    rank: int
-    tp_ranks: tuple[int, ...]
     prev_rank: int | None
     next_rank: int | None
     is_first_stage: bool
@@ -33,15 +31,12 @@ def topology(plan: InstancePlan, me: RankPlan) -> RankTopology:
     s = me.stage
     prev_rank = stages[s - 1].ranks[me.tp_rank].rank if s > 0 else None
     next_rank = stages[s + 1].ranks[me.tp_rank].rank if s + 1 < len(stages) else None
-    last = s == len(stages) - 1
     return RankTopology(
-        rank=me.rank,
-        tp_ranks=tuple(r.rank for r in stages[s].ranks),
         prev_rank=prev_rank,
         next_rank=next_rank,
         is_first_stage=s == 0,
-        is_last_stage=last,
-        is_driver=last and me.tp_rank == 0,
+        is_last_stage=s == len(stages) - 1,
+        is_driver=me.rank == driver_rank(plan),
     )
 
 

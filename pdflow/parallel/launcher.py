@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from pdflow.graph import parallel_of
 from pdflow.parallel.messages import Message, RankError, RankReady, Shutdown, decode, encode
 from pdflow.spec import RunSpec
 
@@ -110,7 +111,7 @@ class Launcher(ABC):
 
 class LocalLauncher(Launcher):
     def __init__(self, spec: RunSpec, role: str, target: RankTarget, labels: list[str]):
-        par = spec.prefill if role == "prefill" else spec.decode
+        par = parallel_of(spec, role)
         self.spec, self.role, self.target, self.labels = spec, role, target, labels
         self.world_size = len(labels)
         self.ready_timeout_s = par.ready_timeout_s

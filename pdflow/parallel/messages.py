@@ -45,7 +45,7 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     sampling: list[SamplingSpec]
     # Sequences finished or aborted since the last step: ranks drop their state.
     released_seq_ids: list[str] = []
-    # Capture these target layers' hidden states (aux relay); empty: none.
+    # Return the last stage's relayed drafter taps for every row (StepOutput.taps).
     capture_taps: bool = False
 
 

@@ -17,14 +17,12 @@ import torch.distributed as dist
 from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
 from pdflow.engine.stage_runner import StageRunner
-from pdflow.graph import RankPlan, build_graph
-from pdflow.model.config import DecoderConfig
+from pdflow.graph import RankPlan, build_graph, parallel_of
 from pdflow.model.layers import set_tp_group
-from pdflow.model.loader import build_model
-from pdflow.model.paths import resolve_model_path
+from pdflow.model.loader import build_model, model_config
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
-from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
+from pdflow.parallel.messages import RankReady, Shutdown, StepInput
 from pdflow.spec import ParallelSpec
 
 
@@ -48,7 +46,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     me = plan.ranks[ctx.rank]
     stage = plan.stages[me.stage]
     topo = topology(plan, me)
-    par = spec.prefill if role == "prefill" else spec.decode
+    par = parallel_of(spec, role)
     device = rank_device(par, me)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -66,8 +64,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
             mine = group
     set_tp_group(mine if par.tp > 1 else None)
 
-    folder = resolve_model_path(spec.model.path) if spec.model.path else None
-    cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(spec.model)
+    folder, cfg = model_config(spec.model)
     dtype = TORCH_DTYPES[spec.model.dtype]
     model = build_model(
         cfg, folder=folder, dtype=dtype, device=device, layer_range=stage.layers,
@@ -107,8 +104,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 continue
             logits = runner.logits(msg, hidden)  # every TP rank joins the vocab all-gather
             if topo.is_driver:
-                tokens, logprobs = runner.sample(msg, logits)
-                out = StepOutput(step=msg.step, token_ids=tokens, logprobs=logprobs)
+                out = runner.output(msg, logits)
                 if msg.capture_taps and taps is not None:
                     host = taps.float().cpu().contiguous()
                     out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
