@@ -72,7 +72,7 @@ def main() -> None:
             for name, llm in llms.items():
                 secs, firsts[name] = timed_run(llm, prompts)
                 times[name].append(secs)
-        depth = {name: llm.engine.runner.max_in_flight for name, llm in llms.items()}
+        depth = {name: llm.instance.executor.max_in_flight for name, llm in llms.items()}
     finally:
         for llm in llms.values():
             llm.shutdown()

@@ -33,7 +33,7 @@ def test_llm_from_run_spec_serves_a_random_model_of_the_spec_geometry():
     assert llm.num_kv_blocks == 12 and llm.kv_usage == 0.0
     cfg = llm.engine.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads) == (8, 256, 4)
-    cache = llm.engine.kv.caches[(7, "v")]
+    cache = llm.instance.executor.stage.kv.caches[(7, "v")]
     assert tuple(cache.shape) == (12, 4, 4, 32, 64)
     seen_usage = []
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -63,8 +63,8 @@ def test_bfloat16_on_cpu_keeps_weights_and_cache_in_bf16():
                       intermediate=128, vocab=100, max_model_len=256)
     llm = LLM(model, ParallelSpec(block_size=16, kv_page_tokens=8, num_kv_blocks=16),
               dtype="bfloat16")
-    assert {p.dtype for p in llm.engine.model.parameters()} == {torch.bfloat16}
-    assert llm.engine.kv.caches[(1, "v")].dtype == torch.bfloat16
+    assert {p.dtype for p in llm.instance.executor.stage.model.parameters()} == {torch.bfloat16}
+    assert llm.instance.executor.stage.kv.caches[(1, "v")].dtype == torch.bfloat16
     outs = llm.generate([[1, 2, 3], list(range(40))],
                         SamplingParams(temperature=0.8, seed=0, max_tokens=6, ignore_eos=True))
     assert all(len(o.token_ids) == 6 and all(0 <= t < 100 for t in o.token_ids) for o in outs)

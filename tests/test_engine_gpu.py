@@ -41,7 +41,7 @@ def test_cuda_fp32_greedy_matches_transformers(tmp_path, family):
 def test_cuda_bf16_serves_and_frees_blocks(tmp_path):
     folder = write_random_checkpoint(tmp_path, family="llama", seed=0)
     llm = LLM(str(folder), spec(max_num_batched_tokens=16), dtype="bfloat16")
-    assert llm.engine.kv.caches[(0, "k")].dtype == torch.bfloat16
+    assert llm.instance.executor.stage.kv.caches[(0, "k")].dtype == torch.bfloat16
     outs = llm.generate([[5, 6, 7] * 10, [9] * 3], GREEDY)
     assert [len(o.token_ids) for o in outs] == [32, 32]
     assert llm.num_free_kv_blocks == llm.num_kv_blocks

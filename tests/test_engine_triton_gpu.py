@@ -15,9 +15,10 @@ pytestmark = [
 ]
 
 from pdflow import LLM, SamplingParams  # noqa: E402
-from pdflow.engine.cuda_graphs import DecodeGraphRunner, graphs_supported  # noqa: E402
 from pdflow.model.paths import resolve_model_path  # noqa: E402
 from pdflow.spec import ParallelSpec  # noqa: E402
+from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported  # noqa: E402
+from pdflow.worker.stage_runner import StageRunner  # noqa: E402
 
 MODEL = "pdflow:assets/tiny"
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -77,20 +78,22 @@ def test_cuda_graph_decode_equals_eager(page):
     prompts = _prompts(5)
     eager = [o.token_ids for o in _llm("triton", page).generate(prompts, GREEDY)]
     llm = _llm("triton", page, enforce_eager=False)
-    graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs_supported(llm.engine.model, llm.engine.device)
+    stage = llm.instance.executor.stage
+    graphs = stage.graphs
+    assert graphs is not None and graphs_supported(stage.model, stage.runner.device)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert graphs.replays > 0 and graphs.graphs
+    assert llm.engine.graph_steps == graphs.replays
     assert got == eager
 
 
 def test_graph_replay_matches_eager_hidden_states():
     """One decode step of 3 sequences (bucket 4: one padding row) against eager."""
     llm = _llm("triton", 16)
-    engine = llm.engine
     llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    model = engine.model
-    dev = engine.device
+    stage = llm.instance.executor.stage
+    model = stage.model
+    dev = stage.runner.device
     bs, width = 3, 4
     tables = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0]], dtype=torch.int32,
                           device=dev)
@@ -107,8 +110,9 @@ def test_graph_replay_matches_eager_hidden_states():
     ids = torch.tensor([5, 6, 7], device=dev)
     with torch.inference_mode():
         want = model(ids, (ctx - 1).long(), meta()).float()
-        graphs = DecodeGraphRunner(model, 4, width, dev, buckets=[4])
-        got = graphs.run(ids, (ctx - 1).long(), meta()).float()
+        graphs = DecodeGraphRunner(StageRunner(model, dev), max_batch=4, block_table_width=width,
+                                   buckets=[4])
+        got = graphs.run(ids, (ctx - 1).long(), meta())[0].float()
     err = float((got - want).norm() / want.norm())
     assert err < 2e-2, err
     assert torch.equal(got.argmax(-1), want.argmax(-1)) or err < 1e-3

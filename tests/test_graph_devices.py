@@ -9,10 +9,11 @@ import torch
 
 from pdflow.engine.llm import run_spec_for
 from pdflow.graph import build_graph
-from pdflow.parallel import rank_worker
 from pdflow.parallel.launcher import RankContext
 from pdflow.spec import ModelSpec, ParallelSpec
 from pdflow.spec.load import compose_spec
+from pdflow.worker import rank_loop
+from pdflow.worker import stage as worker_stage
 
 CUDA_PP4_TP4 = ("prefill=pp4", "decode=tp4", "prefill.device=cuda", "decode.device=cuda")
 
@@ -61,14 +62,14 @@ def test_rank_device_is_the_graphs_index(graph_of, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     graph = graph_of(*CUDA_PP4_TP4).raise_if_refused()
     par = graph.spec.decode
-    assert [rank_worker.rank_device(par, r) for r in graph.instance("decode").ranks] == [
+    assert [worker_stage.rank_device(par, r) for r in graph.instance("decode").ranks] == [
         torch.device("cuda", i) for i in (4, 5, 6, 7)
     ]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
     with pytest.raises(RuntimeError, match=r"decode\.s0\.t3 is placed on GPU 7 but this host has 6"):
-        rank_worker.rank_device(par, graph.rank("decode", 3))
+        worker_stage.rank_device(par, graph.rank("decode", 3))
     cpu = compose_spec(["prefill=pp4", "decode=tp4"])
-    assert rank_worker.rank_device(cpu.decode, graph.rank("decode", 3)) == torch.device("cpu")
+    assert worker_stage.rank_device(cpu.decode, graph.rank("decode", 3)) == torch.device("cpu")
 
 
 class _Stop(Exception):
@@ -86,9 +87,9 @@ def test_serve_rank_sets_the_graphs_gpu(graph_of, monkeypatch):
     def stop(*args, **kwargs):
         raise _Stop
 
-    monkeypatch.setattr(rank_worker.dist, "init_process_group", stop)
+    monkeypatch.setattr(rank_loop.dist, "init_process_group", stop)
     for rank in range(4):
         ctx = RankContext(spec=spec, role="decode", rank=rank, world_size=4, init_method="tcp://x:1")
         with pytest.raises(_Stop):
-            rank_worker.serve_rank(ctx, channel=None)
+            rank_loop.serve_rank(ctx, channel=None)
     assert chosen == [torch.device("cuda", i) for i in (4, 5, 6, 7)]

@@ -63,13 +63,13 @@ def test_greedy_tokens_equal_one_process(single_process_tokens, layout):
 def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
     from pdflow.attention.backends import get_backend
     from pdflow.attention.kv_cache import KVCacheBinding
-    from pdflow.engine.stage_runner import StageRunner
     from pdflow.graph import build_graph
     from pdflow.model.config import DecoderConfig
     from pdflow.model.loader import build_model
     from pdflow.model.paths import resolve_model_path
-    from pdflow.parallel.executor import DistributedExecutor
     from pdflow.parallel.messages import SamplingSpec, StepInput
+    from pdflow.worker.executors import MultiProcessExecutor
+    from pdflow.worker.stage_runner import StageRunner
 
     taps = [1, 3, 5, 7]  # one per stage of PP4 over 8 layers
     spec = compose_spec([*BASE[1:], "drafter=dspark", f"drafter.taps=[{','.join(map(str, taps))}]",
@@ -104,7 +104,7 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
     KVCacheBinding(units, 8, torch.device("cpu")).bind(model.attention_layers(), get_backend("torch"))
     local = StageRunner(model, torch.device("cpu"), capture_layers=tuple(taps))
 
-    executor = DistributedExecutor(graph, "decode")
+    executor = MultiProcessExecutor(graph, "decode")
     try:
         for s in steps:
             out = executor.execute(s)
@@ -122,7 +122,7 @@ def test_killed_rank_ends_the_instance_naming_it_and_leaves_no_process():
     import time
 
     llm = LLM.from_run_spec(compose_spec([*BASE, "decode.tp=1", "decode.pp=2", "decode.step_timeout_s=60"]))
-    pids = llm.engine.runner.pids
+    pids = llm.instance.executor.pids
     assert len(pids) == 2 and all(alive(p) for p in pids)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))
     os.kill(pids[1], signal.SIGKILL)
@@ -139,8 +139,8 @@ def test_pp_keeps_one_step_in_flight_per_stage(single_process_tokens):
     llm = LLM.from_run_spec(compose_spec([*BASE, "decode.tp=1", "decode.pp=2"]))
     try:
         got = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
-        assert llm.engine.runner.depth == 2
-        assert llm.engine.runner.max_in_flight == 2
+        assert llm.instance.executor.depth == 2
+        assert llm.instance.executor.max_in_flight == 2
     finally:
         llm.shutdown()
     assert got == single_process_tokens

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pdflow.engine.sampler import Sampler, make_generator, sampling_probs
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.worker.sampler import Sampler, make_generator, sampling_probs
 
 LOGITS = torch.tensor([2.0, 1.5, 0.3, -0.4, 1.0, -1.2])
 CPU = torch.device("cpu")

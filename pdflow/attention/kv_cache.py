@@ -23,6 +23,10 @@ class KVCacheBinding:
             for key, u in self.units.items()
         }
 
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """Each unit's cache tensor under its unit name (global layer numbering)."""
+        return {u.name: self.caches[key] for key, u in self.units.items()}
+
     def bind(self, attention_layers, backend) -> None:
         for attn in attention_layers:
             attn.k_cache = self.caches[(attn.layer, "k")]

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from pdflow.engine.instance import Instance
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
@@ -14,9 +15,6 @@ from pdflow.model.config import DecoderConfig
 from pdflow.model.paths import resolve_model_path
 from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
 from pdflow.spec.dtypes import canonical_dtype
-
-# Used when no ParallelSpec is given: one page per block, as the decode configs have it.
-DEFAULT_PARALLEL = dict(block_size=128, kv_page_tokens=128)
 
 Prompt = str | list[int]
 
@@ -45,6 +43,8 @@ def run_spec_for(
             model.max_model_len = max_model_len
     if parallel.device_offset is None:
         parallel = dataclasses.replace(parallel, device_offset=0)
+    if parallel.kv_page_tokens is None:  # one instance, no transfer: one page per block
+        parallel = dataclasses.replace(parallel, kv_page_tokens=parallel.block_size)
     return RunSpec(
         model=model, prefill=parallel, decode=parallel, drafter=DrafterSpec(), seed=seed,
         name="llm",
@@ -66,10 +66,21 @@ def _built_spec(
         return model
     if role != CONSUMER:
         raise ValueError(f"role={role!r} needs a RunSpec; a model and parallel serve one decode side")
-    parallel = parallel if parallel is not None else ParallelSpec(**DEFAULT_PARALLEL)
+    parallel = parallel if parallel is not None else ParallelSpec()
     return run_spec_for(
         model, parallel, dtype=dtype, max_model_len=max_model_len, seed=0 if seed is None else seed
     )
+
+
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A single prompt (a string, or a flat list of token ids) becomes a list of one, so
+    ``generate("Hello")`` is one request, not one per character."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    return prompts
 
 
 class LLM:
@@ -89,7 +100,12 @@ class LLM:
         spec = _built_spec(
             model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed, role=role
         )
-        self.engine = LLMEngine(spec, role=role)
+        self.instance = Instance(spec, role)
+        try:
+            self.engine = LLMEngine(self.instance)
+        except BaseException:
+            self.instance.shutdown()
+            raise
 
     @classmethod
     def from_run_spec(cls, spec: RunSpec, role: str = CONSUMER) -> LLM:
@@ -141,9 +157,11 @@ class LLM:
         return ids
 
     def submit(
-        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
     ) -> list[str]:
-        """Queue prompts without running them; returns their request ids."""
+        """Queue prompts without running them; returns their request ids. One string, or one
+        list of token ids, is one prompt."""
+        prompts = as_prompt_list(prompts)
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -156,13 +174,13 @@ class LLM:
             yield from self.engine.step()
 
     def stream(
-        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
     ) -> Iterator[TokenOutput]:
         self.submit(prompts, sampling)
         yield from self.run()
 
     def generate(
-        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
     ) -> list[RequestOutput]:
         """Outputs in prompt order."""
         ids = self.submit(prompts, sampling)

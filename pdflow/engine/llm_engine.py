@@ -1,62 +1,38 @@
-"""One serving instance: model + KV binding + scheduler + sampler, stepped by its owner."""
+"""The owner side of one instance: requests, scheduling, blocks, and the step loop."""
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
 
-import torch
-
-from pdflow.attention.backends import get_backend
-from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
 from pdflow.engine.block_manager import BlockManager
 from pdflow.engine.detokenizer import Detokenizer
-from pdflow.engine.model_runner import ModelRunner
+from pdflow.engine.executor import Executor
+from pdflow.engine.instance import Instance
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import Sequence
 from pdflow.engine.step_input import build_step_input
-from pdflow.graph import CONSUMER, PRODUCER, build_graph, parallel_of
 from pdflow.model.config import DecoderConfig
-from pdflow.model.loader import build_model, model_config
-from pdflow.model.tokenizer import load_tokenizer
-from pdflow.spec import RunSpec
 
 
 class LLMEngine:
-    """One serving instance (one side of a run spec): the owner's scheduler and block
-    manager, and an executor that runs the model in this process (TP1/PP1) or on one
-    process per rank. Placement, KV units and the block count come from the run graph."""
+    """The owner of one instance: scheduler, block manager and detokenizer, stepping the
+    instance's executor. Placement, KV units and the block count come from the run graph
+    (through the instance)."""
 
-    def __init__(self, spec: RunSpec, *, role: str = CONSUMER):
-        if role not in (PRODUCER, CONSUMER):
-            raise ValueError(f"role must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
-        self.spec, self.role = spec, role
-        parallel = parallel_of(spec, role)
-        self.parallel = parallel
-        self.graph = build_graph(spec).raise_if_refused()
-        folder, cfg = model_config(spec.model)
-        self.config = cfg
-        self.dtype = spec.model.dtype
-        self.device = torch.device(parallel.device)
-        self.tokenizer = load_tokenizer(folder) if folder is not None else None
-        self.eos_token_ids = set(cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-
-        num_blocks = self.graph.budgets[role].pool_blocks
-        wanted_len = min(spec.model.max_model_len, cfg.max_position_embeddings)
-        # One sequence must always fit in the pool, or preemption could never free enough.
-        self.max_model_len = min(wanted_len, num_blocks * parallel.block_size)
-        if parallel.world_size == 1:
-            self.runner = self._local_runner(cfg, folder, num_blocks)
-        else:
-            from pdflow.parallel.executor import DistributedExecutor
-
-            self.runner = DistributedExecutor(self.graph, role)
+    def __init__(self, instance: Instance):
+        self.instance = instance
+        self.spec, self.role = instance.spec, instance.role
+        self.parallel = parallel = instance.parallel
+        self.graph = instance.graph
+        self.config: DecoderConfig = instance.config
+        self.tokenizer = instance.tokenizer
+        self.eos_token_ids = instance.eos_token_ids
+        self.max_model_len = instance.max_model_len
         self.blocks = BlockManager(
-            num_blocks=num_blocks, block_size=parallel.block_size,
+            num_blocks=instance.num_kv_blocks, block_size=parallel.block_size,
             enable_prefix_caching=parallel.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
@@ -69,24 +45,19 @@ class LLMEngine:
         self._released: list[str] = []
         # Submitted, not yet collected: (batch, sequences sampled) per step, oldest first.
         self._in_flight: deque[tuple[ScheduledBatch, list[Sequence]]] = deque()
+        # Steps answered from a captured CUDA graph, and all steps (reported, tested).
+        self.graph_steps = 0
+        self.steps = 0
 
-    def _local_runner(self, cfg: DecoderConfig, folder, num_blocks: int) -> ModelRunner:
-        rank = self.graph.rank(self.role, 0)
-        self.model = build_model(
-            cfg, folder=folder, dtype=TORCH_DTYPES[self.dtype], device=self.device,
-            seed=self.spec.seed,
-        )
-        self.kv = KVCacheBinding(list(rank.target_units), num_blocks, self.device)
-        self.kv.bind(self.model.attention_layers(), get_backend(self.parallel.attention_backend))
-        width = None if self.parallel.enforce_eager else -(-self.max_model_len // self.parallel.block_size)
-        return ModelRunner(
-            self.model, device=self.device, max_num_seqs=self.parallel.max_num_seqs,
-            block_table_width=width,
-        )
+    @property
+    def executor(self) -> Executor:
+        if self.instance.executor is None:
+            raise RuntimeError("this instance has been shut down")
+        return self.instance.executor
 
     def shutdown(self) -> None:
-        """Stop the executor's rank processes (no-op in process)."""
-        self.runner.shutdown()
+        """Stop the instance's ranks and give their memory back."""
+        self.instance.shutdown()
 
     # -- requests -------------------------------------------------------------------
 
@@ -132,7 +103,9 @@ class LLMEngine:
         if not self._in_flight:
             return []
         batch, sampled = self._in_flight.popleft()
-        result = self.runner.collect()
+        result = self.executor.collect()
+        self.steps += 1
+        self.graph_steps += result.cuda_graph
         for seq in batch.seqs:
             seq.in_flight = False
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -159,7 +132,7 @@ class LLMEngine:
     def _fill_pipeline(self) -> None:
         """With D steps in flight, each takes about 1/D of the unfinished sequences, so
         the running ones spread over the stages instead of all riding the first step."""
-        depth = self.runner.depth
+        depth = self.executor.depth
         while len(self._in_flight) < depth:
             unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
             cap = None if depth == 1 else max(1, -(-unfinished // depth))
@@ -171,7 +144,7 @@ class LLMEngine:
                 released=self._released,
             )
             self._released = []
-            self.runner.submit(step)
+            self.executor.submit(step)
             for seq in batch.seqs:
                 seq.in_flight = True
             self._in_flight.append((batch, sampled))

@@ -10,6 +10,7 @@ orphan.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
 import socket
@@ -58,7 +59,16 @@ class Channel:
         return decode(self._conn.recv_bytes())
 
 
-RankTarget = Callable[[RankContext, Channel], None]
+# The rank's body, or its "module:function" path (imported in the rank process, so the
+# transport never imports the worker).
+RankTarget = Callable[[RankContext, Channel], None] | str
+
+
+def resolve_target(target: RankTarget) -> Callable[[RankContext, Channel], None]:
+    if callable(target):
+        return target
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -79,7 +89,7 @@ def _rank_main(target: RankTarget, ctx: RankContext, conn: Connection, parent_pi
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     channel = Channel(conn)
     try:
-        target(ctx, channel)
+        resolve_target(target)(ctx, channel)
     except BaseException:
         try:
             channel.send(RankError(rank=ctx.rank, error=traceback.format_exc()))

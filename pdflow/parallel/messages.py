@@ -57,6 +57,8 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     # float32 bytes, only when StepInput.capture_taps (tests; the drafter reads them in place).
     taps: bytes = b""
     taps_shape: list[int] = []
+    # The stage that answered replayed a captured CUDA graph for this step.
+    cuda_graph: bool = False
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):

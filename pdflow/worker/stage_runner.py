@@ -12,9 +12,9 @@ import itertools
 import torch
 
 from pdflow.attention.metadata import AttentionMetadata
-from pdflow.engine.sampler import Sampler, make_generator
 from pdflow.model.decoder import CausalLM
 from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.worker.sampler import Sampler, make_generator
 
 
 class StageRunner:

@@ -1,9 +1,8 @@
-"""The body of one rank process: its stage of the model, its KV units, its step loop.
+"""The body of one rank process: join the instance's process groups, build the stage,
+then run every StepInput the owner sends until it says Shutdown.
 
-Everything it places (layers, heads, units, taps, block count, GPU index) it asks the
-run graph, rebuilt from the resolved spec it was handed. Hidden states, and the drafter
-taps captured so far, go stage to stage over torch.distributed; the last stage samples
-and its first TP rank answers the owner.
+Hidden states, and the drafter taps captured so far, go stage to stage over
+torch.distributed; the last stage samples and its first TP rank answers the owner.
 """
 
 from __future__ import annotations
@@ -14,29 +13,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdflow.attention.backends import get_backend
-from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
-from pdflow.engine.stage_runner import StageRunner
-from pdflow.graph import RankPlan, build_graph, parallel_of
+from pdflow.attention.kv_cache import TORCH_DTYPES
+from pdflow.graph import build_graph, parallel_of
 from pdflow.model.layers import set_tp_group
-from pdflow.model.loader import build_model, model_config
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
 from pdflow.parallel.messages import RankReady, Shutdown, StepInput
-from pdflow.spec import ParallelSpec
-
-
-def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
-    """The device the graph placed ``me`` on: GPU ``me.device_index`` under CUDA."""
-    if par.device != "cuda":
-        return torch.device(par.device)
-    count = torch.cuda.device_count()
-    if me.device_index >= count:
-        raise RuntimeError(
-            f"rank {me.label} is placed on GPU {me.device_index} but this host has {count}; "
-            f"set {me.role}.device_offset (or use fewer ranks) to fit the run on its GPUs"
-        )
-    return torch.device("cuda", me.device_index)
+from pdflow.worker.stage import build_stage, rank_device
 
 
 def serve_rank(ctx: RankContext, channel: Channel) -> None:
@@ -44,7 +27,6 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     graph = build_graph(spec).raise_if_refused()
     plan = graph.instance(role)
     me = plan.ranks[ctx.rank]
-    stage = plan.stages[me.stage]
     topo = topology(plan, me)
     par = parallel_of(spec, role)
     device = rank_device(par, me)
@@ -64,18 +46,11 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
             mine = group
     set_tp_group(mine if par.tp > 1 else None)
 
-    folder, cfg = model_config(spec.model)
-    dtype = TORCH_DTYPES[spec.model.dtype]
-    model = build_model(
-        cfg, folder=folder, dtype=dtype, device=device, layer_range=stage.layers,
-        tp_rank=me.tp_rank, tp_size=par.tp, seed=spec.seed,
-    )
-    num_blocks = graph.budgets[role].pool_blocks
-    kv = KVCacheBinding(list(me.target_units), num_blocks, device)
-    kv.bind(model.attention_layers(), get_backend(par.attention_backend))
-    runner = StageRunner(model, device, capture_layers=stage.taps_captured)
+    stage = build_stage(graph, role, ctx.rank, device)
+    hidden_size, dtype = stage.config.hidden_size, TORCH_DTYPES[spec.model.dtype]
     relayed_in = len(plan.stages[me.stage - 1].taps_relayed) if me.stage > 0 else 0
-    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=num_blocks))
+    relays_out = bool(plan.stages[me.stage].taps_relayed)
+    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=stage.kv.num_blocks))
 
     with torch.inference_mode():
         while True:
@@ -84,29 +59,31 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 break
             if not isinstance(msg, StepInput):
                 raise TypeError(f"rank {me.label} got {type(msg).__name__}, expected StepInput")
+            runner = stage.runner
             ids, positions, meta = runner.tensors(msg)
             taps_in = None
             if topo.is_first_stage:
                 inputs = ids
             else:
-                inputs = torch.empty(len(msg.token_ids), cfg.hidden_size, dtype=dtype, device=device)
+                inputs = torch.empty(len(msg.token_ids), hidden_size, dtype=dtype, device=device)
                 dist.recv(inputs, src=topo.prev_rank)
                 if relayed_in:
-                    taps_in = torch.empty(
-                        len(msg.token_ids), relayed_in * cfg.hidden_size, dtype=dtype, device=device
-                    )
+                    taps_in = torch.empty(len(msg.token_ids), relayed_in * hidden_size,
+                                          dtype=dtype, device=device)
                     dist.recv(taps_in, src=topo.prev_rank)
-            hidden, taps = runner.forward(inputs, positions, meta, taps_in)
+            hidden, taps, graphed = stage.forward(msg, inputs, positions, meta, taps_in)
             if not topo.is_last_stage:
                 dist.send(hidden.contiguous(), dst=topo.next_rank)
-                if stage.taps_relayed:
+                if relays_out:
                     dist.send(taps.contiguous(), dst=topo.next_rank)
                 continue
             logits = runner.logits(msg, hidden)  # every TP rank joins the vocab all-gather
             if topo.is_driver:
                 out = runner.output(msg, logits)
+                out.cuda_graph = graphed
                 if msg.capture_taps and taps is not None:
                     host = taps.float().cpu().contiguous()
                     out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
                 channel.send(out)
+    stage.release()
     dist.destroy_process_group()

@@ -1,0 +1,33 @@
+"""The one contract between an instance's owner and its workers.
+
+The owner (scheduler, block manager) builds ``StepInput``s; an executor runs them on the
+instance's ranks and hands back ``StepOutput``s in submission order. Two implementations
+live in ``pdflow.worker.executors``: in this process (one rank) and one process per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pdflow.graph import RunGraph, parallel_of
+from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.worker.executors import InProcessExecutor, MultiProcessExecutor
+
+
+@runtime_checkable
+class Executor(Protocol):
+    # Steps that may be submitted before the oldest is collected (one per PP stage).
+    depth: int
+
+    def submit(self, step: StepInput) -> None: ...
+
+    def collect(self) -> StepOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(graph: RunGraph, role: str) -> Executor:
+    """In process for a one-rank side, one process per rank otherwise."""
+    if parallel_of(graph.spec, role).world_size == 1:
+        return InProcessExecutor(graph, role)
+    return MultiProcessExecutor(graph, role)

@@ -1,0 +1,111 @@
+"""The two ways an instance's owner runs its steps: on this process, or on one process per
+rank. Both answer the engine's ``Executor`` protocol (submit, collect, depth, shutdown)
+and run the same ``build_stage``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from pdflow.graph import RunGraph, parallel_of
+from pdflow.parallel.groups import driver_rank
+from pdflow.parallel.launcher import Launcher, LocalLauncher
+from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.worker.stage import Stage, build_stage, rank_device
+
+RANK_TARGET = "pdflow.worker.rank_loop:serve_rank"
+
+
+class InProcessExecutor:
+    """The whole model (TP1/PP1) on this process's device. One stage, so one step in
+    flight: ``submit`` runs it, ``collect`` hands the result back."""
+
+    depth = 1
+
+    def __init__(self, graph: RunGraph, role: str):
+        graph.raise_if_refused()
+        plan = graph.instance(role)
+        if len(plan.ranks) != 1:
+            raise ValueError(f"{role} has {len(plan.ranks)} ranks; the in-process executor runs one")
+        device = rank_device(parallel_of(graph.spec, role), plan.ranks[0])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.stage: Stage | None = build_stage(graph, role, 0, device)
+        self._done: deque[StepOutput] = deque()
+
+    def submit(self, step: StepInput) -> None:
+        self._done.append(self.execute(step))
+
+    def collect(self) -> StepOutput:
+        return self._done.popleft()
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        stage = self.stage
+        if stage is None:
+            raise RuntimeError("this instance has been shut down")
+        ids, positions, meta = stage.runner.tensors(step)
+        hidden, taps, graphed = stage.forward(step, ids, positions, meta)
+        out = stage.runner.output(step, stage.runner.logits(step, hidden))
+        out.cuda_graph = graphed
+        if step.capture_taps and taps is not None:
+            host = taps.float().cpu().contiguous()
+            out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
+        return out
+
+    def shutdown(self) -> None:
+        if self.stage is not None:
+            self.stage.release()
+            self.stage = None
+        self._done.clear()
+
+
+class MultiProcessExecutor:
+    """Starts one process per rank of ``role`` (the launcher is swappable), sends every
+    rank each step, and waits for the sampling rank's answer while watching all ranks.
+
+    Up to ``depth`` steps are in flight, by default one per pipeline stage
+    (``ParallelSpec.max_steps_in_flight``): stage 0 starts step k+1 while stage 1 runs
+    step k (ranks take their steps in order, so a step's K/V writes at a stage land before
+    any later step reads them). Answers come back in step order.
+    """
+
+    def __init__(self, graph: RunGraph, role: str, launcher: Launcher | None = None):
+        spec = graph.raise_if_refused().spec
+        plan = graph.instance(role)
+        par = parallel_of(spec, role)
+        self.step_timeout_s = par.step_timeout_s
+        self.driver = driver_rank(plan)
+        self.depth = par.steps_in_flight
+        self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks])
+        self.launcher.start()
+        self._pending: deque[int] = deque()
+        self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
+
+    @property
+    def pids(self) -> list[int]:
+        return self.launcher.pids
+
+    def submit(self, step: StepInput) -> None:
+        if len(self._pending) >= self.depth:
+            raise RuntimeError(f"{self.depth} steps already in flight; collect one first")
+        self.launcher.broadcast(step)
+        self._pending.append(step.step)
+        self.max_in_flight = max(self.max_in_flight, len(self._pending))
+
+    def collect(self) -> StepOutput:
+        """The oldest step's answer (the timeout runs per step, from when it is awaited)."""
+        want = self._pending.popleft()
+        out = self.launcher.recv(self.driver, self.step_timeout_s)
+        if not isinstance(out, StepOutput) or out.step != want:
+            raise RuntimeError(f"expected StepOutput for step {want}, got {out!r:.200}")
+        return out
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self.submit(step)
+        return self.collect()
+
+    def shutdown(self) -> None:
+        self.launcher.shutdown()

@@ -1,0 +1,118 @@
+"""One rank's stage: model slice + KV binding + backend + runner, built in one place.
+
+``build_stage`` is what the one-process path and every rank of a TP/PP instance call, so
+both run the same code (CUDA-graph decode included). Everything it places (layers, heads,
+units, taps, block count) it asks the run graph.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdflow.attention.backends import get_backend
+from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
+from pdflow.graph import RankPlan, RunGraph, parallel_of
+from pdflow.model.config import DecoderConfig
+from pdflow.model.decoder import CausalLM
+from pdflow.model.loader import build_model, model_config
+from pdflow.parallel.messages import StepInput
+from pdflow.spec import ParallelSpec
+from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
+from pdflow.worker.stage_runner import StageRunner
+
+
+def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
+    """The device the graph placed ``me`` on: GPU ``me.device_index`` under CUDA."""
+    if par.device != "cuda":
+        return torch.device(par.device)
+    count = torch.cuda.device_count()
+    if me.device_index >= count:
+        raise RuntimeError(
+            f"rank {me.label} is placed on GPU {me.device_index} but this host has {count}; "
+            f"set {me.role}.device_offset (or use fewer ranks) to fit the run on its GPUs"
+        )
+    return torch.device("cuda", me.device_index)
+
+
+def served_max_model_len(graph: RunGraph, role: str, cfg: DecoderConfig) -> int:
+    """The longest sequence this side serves: the spec's, capped by the checkpoint's
+    positions and by the pool (one sequence must always fit, or preemption could never
+    free enough)."""
+    par = parallel_of(graph.spec, role)
+    wanted = min(graph.spec.model.max_model_len, cfg.max_position_embeddings)
+    return min(wanted, graph.budgets[role].pool_blocks * par.block_size)
+
+
+@dataclass(kw_only=True)
+class Stage:
+    """What one rank holds: its plan, model slice, KV caches (by unit name through
+    ``kv``), the runner, and decode graphs when the device and backend allow them."""
+
+    plan: RankPlan
+    config: DecoderConfig
+    folder: Path | None
+    model: CausalLM
+    kv: KVCacheBinding
+    runner: StageRunner
+    graphs: DecodeGraphRunner | None
+
+    def forward(self, step: StepInput, inputs: torch.Tensor, positions: torch.Tensor, meta,
+                taps_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Hidden states and relayed taps out of this stage, and whether a CUDA graph ran."""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden, taps = self.graphs.run(inputs, positions, meta, taps_in)
+            return hidden, taps, True
+        hidden, taps = self.runner.forward(inputs, positions, meta, taps_in)
+        return hidden, taps, False
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """This rank's KV pool, one tensor per unit name (what a KV transfer registers)."""
+        return self.kv.by_name()
+
+    def release(self) -> None:
+        """Give the device memory back: graphs, caches and weights."""
+        if self.graphs is not None:
+            self.graphs.release()
+        device = self.runner.device
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        self.kv.caches.clear()
+        self.graphs = self.model = self.runner = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
+
+def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> Stage:
+    """Build rank ``rank`` of ``role``'s stage on ``device``. A TP rank must have set its
+    TP group (``model.layers.set_tp_group``) first."""
+    spec = graph.spec
+    plan = graph.instance(role)
+    me = plan.ranks[rank]
+    stage = plan.stages[me.stage]
+    par = parallel_of(spec, role)
+    folder, cfg = model_config(spec.model)
+    dtype = TORCH_DTYPES[spec.model.dtype]
+    model = build_model(
+        cfg, folder=folder, dtype=dtype, device=device, layer_range=stage.layers,
+        tp_rank=me.tp_rank, tp_size=par.tp, seed=spec.seed,
+    )
+    kv = KVCacheBinding(list(me.target_units), graph.budgets[role].pool_blocks, device)
+    kv.bind(model.attention_layers(), get_backend(par.attention_backend))
+    runner = StageRunner(model, device, capture_layers=stage.taps_captured)
+    graphs = None
+    if not par.enforce_eager and graphs_supported(model, device):
+        width = -(-served_max_model_len(graph, role, cfg) // par.block_size)
+        first = me.stage == 0
+        relayed_in = 0 if first else len(plan.stages[me.stage - 1].taps_relayed)
+        graphs = DecodeGraphRunner(
+            runner, max_batch=par.max_num_seqs, block_table_width=width,
+            hidden_size=None if first else cfg.hidden_size, relayed_in=relayed_in, dtype=dtype,
+        )
+    return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
+                 graphs=graphs)
