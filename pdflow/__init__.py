@@ -11,15 +11,18 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pdflow.engine.llm",
     "SamplingParams": "pdflow.engine.sampling_params",
+    "Deployment": "pdflow.serve.deployment",
+    "compose": "pdflow.spec.load",
 }
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Deployment", "SamplingParams", "compose", "__version__"]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        attr = "compose_spec" if name == "compose" else name
+        value = getattr(importlib.import_module(_LAZY[name]), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'pdflow' has no attribute {name!r}")

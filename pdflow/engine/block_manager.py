@@ -39,6 +39,8 @@ class BlockManager:
         # Free blocks in the order they were freed; cached ones stay findable by hash.
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
+        # Prompt tokens served from the prefix cache so far (reported, tested).
+        self.hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +75,7 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
         seq.num_computed_tokens = len(seq.block_table) * bs
+        self.hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from pdflow.graph import RunGraph, parallel_of
-from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.parallel.messages import ControlMessage, Message, StepInput, StepOutput
 from pdflow.worker.executors import InProcessExecutor, MultiProcessExecutor
 
 
@@ -22,6 +22,10 @@ class Executor(Protocol):
     def submit(self, step: StepInput) -> None: ...
 
     def collect(self) -> StepOutput: ...
+
+    def control(self, message: ControlMessage) -> list[Message]:
+        """Between steps: send a control message to every rank, one answer per rank."""
+        ...
 
     def shutdown(self) -> None: ...
 

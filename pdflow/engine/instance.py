@@ -11,14 +11,22 @@ from __future__ import annotations
 import torch
 
 from pdflow.engine.executor import Executor, make_executor
-from pdflow.graph import CONSUMER, PRODUCER, InstancePlan, RankPlan, UnitSpec, build_graph, parallel_of
+from pdflow.graph import CONSUMER, PRODUCER, Code, InstancePlan, RankPlan, UnitSpec, build_graph, parallel_of
 from pdflow.model.loader import model_config
 from pdflow.model.tokenizer import load_tokenizer
+from pdflow.parallel.messages import KVEndpoint, KVLinkOpened, OpenKVLink, PairConsumer, Paired
 from pdflow.spec import RunSpec
 from pdflow.worker.executors import InProcessExecutor
+from pdflow.worker.kv_link import PairingRefused
 from pdflow.worker.stage import served_max_model_len
 
 ROLES = (PRODUCER, CONSUMER)
+
+
+def _expect(message, kind, role: str):
+    if not isinstance(message, kind):
+        raise RuntimeError(f"a {role} rank answered {type(message).__name__}, expected {kind.__name__}")
+    return message
 
 
 class Instance:
@@ -49,6 +57,30 @@ class Instance:
         if not isinstance(self.executor, InProcessExecutor) or self.executor.stage is None:
             raise RuntimeError(f"the {self.role} instance's KV pools live in its rank processes")
         return self.executor.stage.kv_caches()
+
+    # -- P/D --------------------------------------------------------------------------
+
+    def open_kv_link(self) -> list[KVEndpoint]:
+        """Register every rank's KV pool with the transfer engine; one endpoint per rank
+        (what a consumer publishes to its producers)."""
+        answers = self._executor().control(OpenKVLink())
+        return [_expect(a, KVLinkOpened, self.role).endpoint for a in answers]
+
+    def pair(self, consumer: list[KVEndpoint]) -> None:
+        """Give every producer rank the consumer's endpoints; each checks the units it will
+        write against its plan. Raises ``PairingRefused`` (nothing written) on a mismatch."""
+        if self.role != PRODUCER:
+            raise ValueError(f"only a producer pairs with a consumer; this is the {self.role}")
+        for answer in self._executor().control(PairConsumer(endpoints=consumer)):
+            paired = _expect(answer, Paired, self.role)
+            if paired.code:
+                raise PairingRefused(Code(paired.code) if paired.code in Code.__members__ else paired.code,
+                                     paired.error.partition(": ")[2] or paired.error)
+
+    def _executor(self) -> Executor:
+        if self.executor is None:
+            raise RuntimeError(f"the {self.role} instance has been shut down")
+        return self.executor
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -83,6 +83,22 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
+def token_ids_of(prompt: Prompt, tokenizer, vocab: int) -> list[int]:
+    """A prompt as token ids: a string through the checkpoint's tokenizer, or a list of
+    in-vocabulary ints as given."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token-id lists")
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                or not 0 <= t < vocab), None)
+    if bad is not None or isinstance(prompt, dict):
+        raise ValueError(f"a prompt is a string or a list of token ids in [0, {vocab}); "
+                         f"got {type(prompt).__name__} holding {bad!r}")
+    return ids
+
+
 class LLM:
     """One engine instance driven to completion by this process (its ranks run in their
     own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
@@ -143,18 +159,7 @@ class LLM:
         return self.engine.abort(request_id)
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token-id lists")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.engine.config.vocab_size
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                    or not 0 <= t < vocab), None)
-        if bad is not None or isinstance(prompt, dict):
-            raise ValueError(f"a prompt is a string or a list of token ids in [0, {vocab}); "
-                             f"got {type(prompt).__name__} holding {bad!r}")
-        return ids
+        return token_ids_of(prompt, self.tokenizer, self.engine.config.vocab_size)
 
     def submit(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]

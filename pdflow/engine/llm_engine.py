@@ -12,7 +12,7 @@ from pdflow.engine.instance import Instance
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.scheduler import ScheduledBatch, Scheduler
-from pdflow.engine.sequence import Sequence
+from pdflow.engine.sequence import KVTarget, Sequence, SequenceStatus
 from pdflow.engine.step_input import build_step_input
 from pdflow.model.config import DecoderConfig
 
@@ -48,6 +48,10 @@ class LLMEngine:
         # Steps answered from a captured CUDA graph, and all steps (reported, tested).
         self.graph_steps = 0
         self.steps = 0
+        # P/D consumer: requests whose prompt KV is on its way, by id.
+        self.awaiting_kv: dict[str, Sequence] = {}
+        # P/D producer: request id -> None (its KV landed) or why the export failed.
+        self.export_results: dict[str, str | None] = {}
 
     @property
     def executor(self) -> Executor:
@@ -61,9 +65,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------
 
-    def add_request(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def _check_prompt(self, prompt_token_ids: list[int], request_id: str) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -71,17 +73,26 @@ class LLMEngine:
                 f"prompt of {len(prompt_token_ids)} tokens leaves no room under "
                 f"max_model_len {self.max_model_len}"
             )
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or request_id in self.awaiting_kv:
             raise ValueError(f"request {request_id!r} is already running")
+
+    def add_request(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        kv_target: KVTarget | None = None,
+    ) -> str:
+        """Queue a request. ``kv_target`` (P/D producer): write the prompt's KV there."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        self._check_prompt(prompt_token_ids, request_id)
         self.scheduler.add(Sequence(
             request_id=request_id, token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids), sampling=sampling,
+            num_prompt_tokens=len(prompt_token_ids), sampling=sampling, kv_target=kv_target,
         ))
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks; False when it is not in flight."""
+        if self.fail_remote(request_id, "abort"):
+            return True
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
@@ -116,18 +127,59 @@ class LLMEngine:
         for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if seq.finished:
                 continue
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._released.append(seq.request_id)
-            outputs.append(TokenOutput(
-                request_id=seq.request_id, index=seq.num_output_tokens - 1, token_id=token,
-                logprob=logprob, text=self.detokenizer.delta(seq), finished=seq.finished,
-                finish_reason=seq.finish_reason,
-            ))
+            if seq.kv_target is not None and seq.num_output_tokens == 0:
+                self.export_results[seq.request_id] = result.export_failed.get(seq.request_id)
+            outputs.append(self._emit(seq, token, logprob))
         return outputs
+
+    def _emit(self, seq: Sequence, token: int, logprob: float) -> TokenOutput:
+        """Append a sampled token, finish the sequence if it ends here, report it."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._released.append(seq.request_id)
+        return TokenOutput(
+            request_id=seq.request_id, index=seq.num_output_tokens - 1, token_id=token,
+            logprob=logprob, text=self.detokenizer.delta(seq), finished=seq.finished,
+            finish_reason=seq.finish_reason,
+        )
+
+    # -- P/D: a consumer admits a request whose prompt KV another instance writes -------
+
+    def add_remote_request(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> list[int] | None:
+        """Allocate blocks for the prompt and park the request until its KV has arrived;
+        returns the block ids the producer writes into, or None when the pool is short
+        now (try again after some requests finish)."""
+        self._check_prompt(prompt_token_ids, request_id)
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
+                       num_prompt_tokens=len(prompt_token_ids), sampling=sampling)
+        if not self.blocks.allocate(seq, seq.num_tokens):
+            return None
+        self.awaiting_kv[request_id] = seq
+        return list(seq.block_table)
+
+    def complete_remote_prefill(self, request_id: str, token: int, logprob: float) -> TokenOutput:
+        """The prompt's KV is in this instance's blocks and the producer sampled ``token``:
+        decode on from there, as if this instance had prefilled itself."""
+        seq = self.awaiting_kv.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.commit(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        return self._emit(seq, token, logprob)
+
+    def fail_remote(self, request_id: str, reason: str = "error") -> bool:
+        """The prompt's KV will not come (producer gone, transfer failed): free its blocks."""
+        seq = self.awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return False
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return True
 
     def _fill_pipeline(self) -> None:
         """With D steps in flight, each takes about 1/D of the unfinished sequences, so

@@ -18,6 +18,8 @@ class TokenOutput:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    # Set when the request ended in a fault (finish_reason "error"; token_id is -1).
+    error: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,3 +33,5 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
     # Times the request gave its blocks back to be recomputed later.
     num_preemptions: int = 0
+    # Why the request ended in a fault (finish_reason "error").
+    error: str | None = None

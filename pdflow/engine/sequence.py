@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from pdflow.engine.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVTarget:
+    """P/D, producer side: where this prompt's KV goes once prefilled (the consumer's
+    block ids for the prompt, in order) and the nonce that names this transfer."""
+
+    blocks: tuple[int, ...]
+    nonce: int
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,6 +46,8 @@ class Sequence:
     # In a step that has been submitted and not yet collected (pipeline parallelism):
     # neither scheduled again nor preempted until its result is back.
     in_flight: bool = False
+    # P/D producer: send the prompt's KV here after the step that completes the prompt.
+    kv_target: KVTarget | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdflow.engine.scheduler import ScheduledBatch
 from pdflow.engine.sequence import Sequence
-from pdflow.parallel.messages import SamplingSpec, StepInput
+from pdflow.parallel.messages import KVExport, SamplingSpec, StepInput
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
@@ -27,6 +27,7 @@ def build_step_input(
     ids, positions, slots, cu, ctx = [], [], [], [0], []
     sampled: list[Sequence] = []
     rows: list[int] = []
+    exports: list[KVExport] = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         ids.extend(seq.token_ids[start:end])
@@ -37,6 +38,12 @@ def build_step_input(
         if end == seq.num_tokens:
             sampled.append(seq)
             rows.append(cu[-1] - 1)
+            target = seq.kv_target
+            if target is not None and seq.num_output_tokens == 0:  # the prompt is complete
+                exports.append(KVExport(
+                    request_id=seq.request_id, nonce=target.nonce,
+                    src_blocks=seq.block_table[: len(target.blocks)], dst_blocks=list(target.blocks),
+                ))
     width = max(len(seq.block_table) for seq in batch.seqs)
     tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
     message = StepInput(
@@ -58,5 +65,6 @@ def build_step_input(
             for s in sampled
         ],
         released_seq_ids=released,
+        exports=exports,
     )
     return message, sampled

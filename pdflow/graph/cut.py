@@ -1,8 +1,9 @@
 """Head-cut plans: for one block, the byte runs each producer rank writes to each
-consumer rank (DESIGN section 3)."""
+consumer rank (docs/ARCHITECTURE.md, "KV units, pages and the head cut")."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -82,7 +83,18 @@ def _sources(holders: list[tuple[RankPlan, UnitSpec]], dst: UnitSpec):
     yield owner[0], owner[1], tuple(chunk)
 
 
-def build_cut_plans(producer: InstancePlan, consumer: InstancePlan, regions: list[Region]) -> list[CutPlan]:
+def page_ignorant(unit: UnitSpec) -> UnitSpec:
+    """The unit as a cut that forgets its page sees it: one page per block. Cutting with
+    this on a paged unit hands each consumer rank another head's bytes, silently."""
+    return dataclasses.replace(unit, page_tokens=unit.block_size)
+
+
+def build_cut_plans(
+    producer: InstancePlan, consumer: InstancePlan, regions: list[Region],
+    page_ignorant_families: frozenset[str] = frozenset(),
+) -> list[CutPlan]:
+    """``page_ignorant_families``: unit families cut as if their page were the block (a
+    deliberate fault, to show tests and runs catch it); empty in every real deployment."""
     holders = unit_catalog(producer)
     src_of = {r.consumer_unit: r.producer_unit for r in regions}
     groups: dict[tuple[int, int], dict[tuple[CutRun, ...], list[tuple[str, str]]]] = defaultdict(
@@ -94,7 +106,10 @@ def build_cut_plans(producer: InstancePlan, consumer: InstancePlan, regions: lis
             if src_name is None:
                 continue
             for prank, src, heads in _sources(holders[src_name], dst):
-                runs = plan_runs(src, dst, heads)
+                if dst.family in page_ignorant_families:
+                    runs = plan_runs(page_ignorant(src), page_ignorant(dst), heads)
+                else:
+                    runs = plan_runs(src, dst, heads)
                 groups[(prank.rank, crank.rank)][runs].append((src_name, dst.name))
     return [
         CutPlan(

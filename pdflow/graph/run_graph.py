@@ -123,7 +123,8 @@ def build_graph(spec: RunSpec) -> RunGraph:
         )
     regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
     refusals += region_refusals
-    cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions)
+    wrong = frozenset(spec.transfer.force_page_ignorant_cut)
+    cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
     budgets = {}
     for role, plan in ((PRODUCER, producer), (CONSUMER, consumer)):
         budget = block_budget(role, plan, spec.model, parallel_of(spec, role), spec.drafter, len(taps))

@@ -29,6 +29,16 @@ class SamplingSpec(msgspec.Struct, kw_only=True):
         return self.temperature == 0
 
 
+class KVExport(msgspec.Struct, kw_only=True):
+    """Write one request's prompt blocks (producer ids) into the consumer's blocks, as the
+    graph's cut plan says, once this step's forward has filled them."""
+
+    request_id: str
+    nonce: int
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
 class StepInput(msgspec.Struct, tag=True, kw_only=True):
     step: int
     # Request ids, in batch order.
@@ -47,6 +57,8 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     released_seq_ids: list[str] = []
     # Return the last stage's relayed drafter taps for every row (StepOutput.taps).
     capture_taps: bool = False
+    # Producer only: KV to send after this step's forward (every rank answers ExportDone).
+    exports: list[KVExport] = []
 
 
 class StepOutput(msgspec.Struct, tag=True, kw_only=True):
@@ -59,7 +71,63 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     taps_shape: list[int] = []
     # The stage that answered replayed a captured CUDA graph for this step.
     cuda_graph: bool = False
+    # Producer only: request id -> why its KV export failed, merged over every rank.
+    export_failed: dict[str, str] = {}
 
+
+class ExportDone(msgspec.Struct, tag=True, kw_only=True):
+    """A producer rank wrote (or failed to write) the step's exports."""
+
+    step: int
+    rank: int
+    failed: dict[str, str] = {}
+
+
+class UnitAddress(msgspec.Struct, kw_only=True):
+    """One registered unit cache of a consumer rank, with the layout it was built with
+    (checked against the producer's plan at pairing)."""
+
+    name: str
+    base: int
+    block_bytes: int
+    num_blocks: int
+    family: str
+    field: str
+    layer: int
+    heads: list[int]
+    head_dim: int
+    dtype: str
+    page_tokens: int
+    block_size: int
+
+
+class KVEndpoint(msgspec.Struct, kw_only=True):
+    """Where a rank's KV pool can be written: its transfer session and unit addresses."""
+
+    rank: int
+    session_id: str
+    units: list[UnitAddress]
+
+
+class OpenKVLink(msgspec.Struct, tag=True, kw_only=True):
+    """Owner -> rank: register the KV pool with the transfer engine."""
+
+
+class KVLinkOpened(msgspec.Struct, tag=True, kw_only=True):
+    endpoint: KVEndpoint
+
+
+class PairConsumer(msgspec.Struct, tag=True, kw_only=True):
+    """Owner -> producer rank: the consumer ranks to write to (every one of them)."""
+
+    endpoints: list[KVEndpoint]
+
+
+class Paired(msgspec.Struct, tag=True, kw_only=True):
+    rank: int
+    # Empty when paired; else the refusal code and why (nothing was written).
+    code: str = ""
+    error: str = ""
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
     reason: str = ""
@@ -70,7 +138,9 @@ class RankError(msgspec.Struct, tag=True, kw_only=True):
     error: str
 
 
-Message = RankReady | StepInput | StepOutput | Shutdown | RankError
+Message = (RankReady | StepInput | StepOutput | Shutdown | RankError | ExportDone | OpenKVLink
+           | KVLinkOpened | PairConsumer | Paired)
+ControlMessage = OpenKVLink | PairConsumer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -35,6 +35,9 @@ class TrackingSpec:
     experiment: str = "pdflow"
 
 
+MODES = ("pd", "monolithic")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSpec:
     model: ModelSpec = MISSING
@@ -46,3 +49,10 @@ class RunSpec:
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     name: str = "pdflow"
     seed: int = 0
+    # "pd": a prefill instance writes each prompt's KV into the decode instance.
+    # "monolithic": the decode instance serves alone (prefills itself); no producer starts.
+    mode: str = "pd"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")

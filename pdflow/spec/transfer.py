@@ -24,12 +24,19 @@ class TransferSpec:
     # one descriptor per run (RDMA).
     staging: bool = True
     timeout_s: float = 30.0
+    # Unit families ("mha", "draft") cut as if their page were the whole block: a
+    # deliberate fault that hands every consumer rank another head's bytes with no error,
+    # for showing that accuracy and acceptance expose it. Never set in a real deployment.
+    force_page_ignorant_cut: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"transfer.backend {self.backend!r} is not one of {BACKENDS}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"transfer.protocol {self.protocol!r} is not one of {PROTOCOLS}")
+        bad = set(self.force_page_ignorant_cut) - {"mha", "draft"}
+        if bad:
+            raise ValueError(f"transfer.force_page_ignorant_cut takes unit families mha, draft; got {sorted(bad)}")
         if self.descriptor_batch < 1:
             raise ValueError("transfer.descriptor_batch must be >= 1")
         if not 0 <= self.handshake_base_port < 65536:

@@ -12,7 +12,8 @@ import torch
 from pdflow.graph import RunGraph, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
-from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.parallel.messages import ControlMessage, ExportDone, Message, StepInput, StepOutput
+from pdflow.worker.control import handle_control
 from pdflow.worker.stage import Stage, build_stage, rank_device
 
 RANK_TARGET = "pdflow.worker.rank_loop:serve_rank"
@@ -32,6 +33,7 @@ class InProcessExecutor:
         device = rank_device(parallel_of(graph.spec, role), plan.ranks[0])
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        self.graph, self.role = graph, role
         self.stage: Stage | None = build_stage(graph, role, 0, device)
         self._done: deque[StepOutput] = deque()
 
@@ -48,12 +50,23 @@ class InProcessExecutor:
             raise RuntimeError("this instance has been shut down")
         ids, positions, meta = stage.runner.tensors(step)
         hidden, taps, graphed = stage.forward(step, ids, positions, meta)
+        if step.exports:
+            failed = stage.link.export(step.exports) if stage.link else dict.fromkeys(
+                (e.request_id for e in step.exports), "this instance has no KV link")
         out = stage.runner.output(step, stage.runner.logits(step, hidden))
         out.cuda_graph = graphed
+        if step.exports:
+            out.export_failed = failed
         if step.capture_taps and taps is not None:
             host = taps.float().cpu().contiguous()
             out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
         return out
+
+    def control(self, message: ControlMessage) -> list[Message]:
+        """Answer a control message (one rank: one answer)."""
+        if self.stage is None:
+            raise RuntimeError("this instance has been shut down")
+        return [handle_control(self.stage, self.graph, self.role, 0, message)]
 
     def shutdown(self) -> None:
         if self.stage is not None:
@@ -81,7 +94,10 @@ class MultiProcessExecutor:
         self.depth = par.steps_in_flight
         self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks])
         self.launcher.start()
-        self._pending: deque[int] = deque()
+        self.world_size = len(plan.ranks)
+        self.ready_timeout_s = par.ready_timeout_s
+        # Steps submitted, oldest first: (step number, whether every rank answers ExportDone).
+        self._pending: deque[tuple[int, bool]] = deque()
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
 
     @property
@@ -92,16 +108,31 @@ class MultiProcessExecutor:
         if len(self._pending) >= self.depth:
             raise RuntimeError(f"{self.depth} steps already in flight; collect one first")
         self.launcher.broadcast(step)
-        self._pending.append(step.step)
+        self._pending.append((step.step, bool(step.exports)))
         self.max_in_flight = max(self.max_in_flight, len(self._pending))
 
     def collect(self) -> StepOutput:
         """The oldest step's answer (the timeout runs per step, from when it is awaited)."""
-        want = self._pending.popleft()
+        want, exports = self._pending.popleft()
+        failed: dict[str, str] = {}
+        if exports:  # every rank reports its writes (the driver before its StepOutput)
+            for rank in range(self.world_size):
+                done = self.launcher.recv(rank, self.step_timeout_s)
+                if not isinstance(done, ExportDone) or done.step != want:
+                    raise RuntimeError(f"expected ExportDone for step {want} from rank {rank}, got {done!r:.200}")
+                failed.update(done.failed)
         out = self.launcher.recv(self.driver, self.step_timeout_s)
         if not isinstance(out, StepOutput) or out.step != want:
             raise RuntimeError(f"expected StepOutput for step {want}, got {out!r:.200}")
+        out.export_failed = failed
         return out
+
+    def control(self, message: ControlMessage) -> list[Message]:
+        """Send a control message to every rank between steps; one answer per rank."""
+        if self._pending:
+            raise RuntimeError("control messages go between steps; collect the steps in flight first")
+        self.launcher.broadcast(message)
+        return [self.launcher.recv(rank, self.ready_timeout_s) for rank in range(self.world_size)]
 
     def execute(self, step: StepInput) -> StepOutput:
         self.submit(step)

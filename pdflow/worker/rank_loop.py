@@ -18,7 +18,8 @@ from pdflow.graph import build_graph, parallel_of
 from pdflow.model.layers import set_tp_group
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
-from pdflow.parallel.messages import RankReady, Shutdown, StepInput
+from pdflow.parallel.messages import ControlMessage, ExportDone, RankReady, Shutdown, StepInput
+from pdflow.worker.control import handle_control
 from pdflow.worker.stage import build_stage, rank_device
 
 
@@ -57,6 +58,9 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
             msg = channel.recv()
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, ControlMessage):
+                channel.send(handle_control(stage, graph, role, ctx.rank, msg))
+                continue
             if not isinstance(msg, StepInput):
                 raise TypeError(f"rank {me.label} got {type(msg).__name__}, expected StepInput")
             runner = stage.runner
@@ -72,6 +76,10 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                                           dtype=dtype, device=device)
                     dist.recv(taps_in, src=topo.prev_rank)
             hidden, taps, graphed = stage.forward(msg, inputs, positions, meta, taps_in)
+            if msg.exports:  # this stage's layers of the finished prompts are in the cache now
+                failed = stage.link.export(msg.exports) if stage.link else dict.fromkeys(
+                    (e.request_id for e in msg.exports), f"rank {me.label} has no KV link")
+                channel.send(ExportDone(step=msg.step, rank=ctx.rank, failed=failed))
             if not topo.is_last_stage:
                 dist.send(hidden.contiguous(), dst=topo.next_rank)
                 if relays_out:

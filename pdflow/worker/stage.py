@@ -22,6 +22,7 @@ from pdflow.model.loader import build_model, model_config
 from pdflow.parallel.messages import StepInput
 from pdflow.spec import ParallelSpec
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
+from pdflow.worker.kv_link import KVLink
 from pdflow.worker.stage_runner import StageRunner
 
 
@@ -59,6 +60,8 @@ class Stage:
     kv: KVCacheBinding
     runner: StageRunner
     graphs: DecodeGraphRunner | None
+    # P/D: this rank's end of the KV transfer, once the owner opened it.
+    link: KVLink | None = None
 
     def forward(self, step: StepInput, inputs: torch.Tensor, positions: torch.Tensor, meta,
                 taps_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -75,6 +78,9 @@ class Stage:
 
     def release(self) -> None:
         """Give the device memory back: graphs, caches and weights."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
         if self.graphs is not None:
             self.graphs.release()
         device = self.runner.device

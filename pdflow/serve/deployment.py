@@ -1,0 +1,224 @@
+"""``pdflow.Deployment(spec)``: both instances of a run graph, driven from this process.
+
+The offline face of P/D (tests, ``pdflow run``): a producer instance prefills each prompt
+and writes its KV, cut per head, into blocks the consumer instance allocated for it; the
+consumer decodes on as if it had prefilled itself. ``generate``/``stream`` behave like
+``LLM``'s. A spec with ``mode: monolithic`` runs the decode instance alone.
+
+Faults: a transfer that fails ends its request with an error and frees its blocks on
+both sides. When one instance dies, its requests in flight end with an error, and the
+surviving instance serves every later request alone (it holds the whole model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import secrets
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from pdflow.engine.instance import Instance
+from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
+from pdflow.engine.llm_engine import LLMEngine
+from pdflow.engine.outputs import RequestOutput, TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import KVTarget
+from pdflow.graph import CONSUMER, PRODUCER, build_graph
+from pdflow.spec import RunSpec
+
+
+@dataclass(kw_only=True, slots=True)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Deployment:
+    def __init__(self, spec: RunSpec):
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"Deployment needs a RunSpec (pdflow.compose(overrides)), got {type(spec).__name__}")
+        build_graph(spec).raise_if_refused()
+        self.spec = spec
+        self.monolithic = spec.mode == "monolithic"
+        self.producer: LLMEngine | None = None
+        self.consumer: LLMEngine | None = None
+        try:
+            self.consumer = LLMEngine(Instance(spec, CONSUMER))
+            if not self.monolithic:
+                self.producer = LLMEngine(Instance(spec, PRODUCER))
+                self.producer.instance.pair(self.consumer.instance.open_kv_link())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.consumer.tokenizer
+        self._ids = itertools.count()
+        self._queue: deque[_Request] = deque()
+        self._requests: dict[str, _Request] = {}
+        # Why an instance was lost (it serves nothing more); None while it is up.
+        self.lost: dict[str, str | None] = {PRODUCER: None, CONSUMER: None}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        for engine in (self.producer, self.consumer):
+            if engine is not None:
+                engine.shutdown()
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def submit(self, prompts: Prompt | Sequence[Prompt],
+               sampling: SamplingParams | Sequence[SamplingParams]) -> list[str]:
+        prompts = as_prompt_list(prompts)
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.consumer if self.consumer is not None else self.producer
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            req = _Request(request_id=f"d{next(self._ids)}",
+                           prompt=token_ids_of(prompt, self.tokenizer, engine.config.vocab_size),
+                           sampling=p)
+            self._queue.append(req)
+            self._requests[req.request_id] = req
+            ids.append(req.request_id)
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Outputs in prompt order."""
+        ids = self.submit(prompts, sampling)
+        for _ in self.run():
+            pass
+        return [self._output(self._requests.pop(rid)) for rid in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling: SamplingParams | Sequence[SamplingParams]) -> Iterator[TokenOutput]:
+        self.submit(prompts, sampling)
+        yield from self.run()
+
+    def run(self) -> Iterator[TokenOutput]:
+        """Step both instances until every submitted request has finished."""
+        while self._busy():
+            yield from self._admit()
+            if self._up(PRODUCER) and self.producer.has_unfinished():
+                yield from self._guarded(PRODUCER, self._step_producer)
+            if self._up(CONSUMER) and self.consumer.has_unfinished():
+                yield from self._guarded(CONSUMER, self.consumer.step)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _up(self, role: str) -> bool:
+        engine = self.producer if role == PRODUCER else self.consumer
+        return engine is not None and self.lost[role] is None
+
+    def _busy(self) -> bool:
+        engines = [e for r, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer)) if self._up(r)]
+        return bool(self._queue) or any(e.has_unfinished() or e.awaiting_kv for e in engines)
+
+    def _admit(self) -> Iterator[TokenOutput]:
+        """Hand queued requests out: P/D while both instances are up, else to whichever
+        instance survives, whole."""
+        while self._queue:
+            req = self._queue[0]
+            if self._up(PRODUCER) and self._up(CONSUMER):
+                blocks = self.consumer.add_remote_request(req.prompt, req.sampling, req.request_id)
+                if blocks is None:
+                    return  # the consumer's pool is full: admit after some requests finish
+                first = dataclasses.replace(req.sampling, max_tokens=1)
+                target = KVTarget(blocks=tuple(blocks), nonce=secrets.randbits(63))
+                self.producer.add_request(req.prompt, first, req.request_id, kv_target=target)
+            else:
+                alone = self.consumer if self._up(CONSUMER) else self.producer if self._up(PRODUCER) else None
+                if alone is None:
+                    yield self._fail(req.request_id, "every instance of the deployment is lost: "
+                                     + "; ".join(f"{r}: {w}" for r, w in self.lost.items() if w))
+                    self._queue.popleft()
+                    continue
+                alone.add_request(req.prompt, req.sampling, req.request_id)
+            self._queue.popleft()
+
+    def _step_producer(self) -> Iterator[TokenOutput]:
+        for out in self.producer.step():
+            if out.request_id in self.producer.export_results and not self._up(CONSUMER):
+                self.producer.export_results.pop(out.request_id)
+                continue  # its consumer is lost: the request has already ended in an error
+            if out.request_id not in self.producer.export_results:
+                yield self._record(out)  # served whole by the producer (the consumer is lost)
+                continue
+            failed = self.producer.export_results.pop(out.request_id)
+            if failed is not None:
+                self.consumer.fail_remote(out.request_id)
+                yield self._fail(out.request_id, f"KV transfer failed: {failed}")
+            else:
+                yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id, out.logprob))
+
+    def _guarded(self, role: str, step) -> Iterator[TokenOutput]:
+        """Run one instance's step; if the instance dies, end its requests with an error."""
+        try:
+            outputs = list(step()) if role == PRODUCER else step()
+        except Exception as err:  # a lost rank (RankFailed), a lost device, ...
+            self.lost[role] = f"{type(err).__name__}: {err}"
+            yield from self._lose(role)
+            return
+        for out in outputs:
+            yield out if role == PRODUCER else self._record(out)
+
+    def _lose(self, role: str) -> Iterator[TokenOutput]:
+        engine = self.producer if role == PRODUCER else self.consumer
+        why = f"the {role} instance was lost ({self.lost[role]})"
+        owned = {s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
+        owned |= set(engine.awaiting_kv)
+        if role == PRODUCER and self.consumer is not None:
+            owned |= set(self.consumer.awaiting_kv)
+            for rid in list(self.consumer.awaiting_kv):
+                self.consumer.fail_remote(rid)
+        for rid in sorted(owned):
+            if rid in self._requests and self._requests[rid].finish_reason is None:
+                yield self._fail(rid, why)
+        with contextlib.suppress(Exception):  # already torn down by the launcher
+            engine.shutdown()
+
+    def _record(self, out: TokenOutput) -> TokenOutput:
+        req = self._requests.get(out.request_id)
+        if req is not None:
+            req.tokens.append(out.token_id)
+            req.logprobs.append(out.logprob)
+            req.text += out.text
+            if out.finished:
+                req.finish_reason = out.finish_reason
+        return out
+
+    def _fail(self, request_id: str, why: str) -> TokenOutput:
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.finish_reason, req.error = "error", why
+        return TokenOutput(request_id=request_id, index=-1, token_id=-1, logprob=0.0, finished=True,
+                           finish_reason="error", error=why)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=req.tokens,
+            logprobs=req.logprobs, text=req.text, finish_reason=req.finish_reason, error=req.error,
+        )
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def free_kv_blocks(self) -> dict[str, int]:
+        """Free blocks of each live instance (equal to its pool when idle: no leak)."""
+        return {role: e.num_free_kv_blocks for role, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))
+                if e is not None and self._up(role)}

@@ -1,0 +1,23 @@
+"""Control messages a rank answers between steps (the same code in process and per rank):
+open its KV link (register the pool with the transfer engine) and pair with consumers."""
+
+from __future__ import annotations
+
+from pdflow.graph import RunGraph
+from pdflow.parallel.messages import ControlMessage, KVLinkOpened, Message, OpenKVLink, PairConsumer, Paired
+from pdflow.worker.kv_link import KVLink, PairingRefused
+from pdflow.worker.stage import Stage
+
+
+def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: ControlMessage) -> Message:
+    if stage.link is None:  # a producer's sources are registered too, as the engine wants
+        stage.link = KVLink(graph, role, rank, stage.kv_caches())
+    if isinstance(msg, OpenKVLink):
+        return KVLinkOpened(endpoint=stage.link.endpoint())
+    if isinstance(msg, PairConsumer):
+        try:
+            stage.link.pair(msg.endpoints)
+        except PairingRefused as err:
+            return Paired(rank=rank, code=str(err.code), error=str(err))
+        return Paired(rank=rank)
+    raise TypeError(f"rank {rank} cannot handle {type(msg).__name__}")

@@ -1,0 +1,133 @@
+"""A rank's end of P/D KV transfer: register its pool, pair with the consumer, export.
+
+A consumer rank registers every unit cache with the transfer engine and publishes a
+``KVEndpoint`` (session id, addresses, and the layout each unit was built with). A
+producer rank checks every endpoint it will write to against its own run graph at
+pairing, and refuses a mismatch there, by the graph's refusal code, before a byte moves.
+After a step's forward, it writes each exported request's blocks to every consumer rank
+its cut plans name: the bytes and offsets come from the graph's ``CutPlan``, the
+addresses from the endpoints (``transfer.descriptors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pdflow.graph import CONSUMER, PRODUCER, Code, CutPlan, RunGraph, UnitSpec
+from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
+from pdflow.transfer.descriptors import UnitRegion, block_descriptors
+from pdflow.transfer.mooncake_engine import MooncakeTransport
+from pdflow.worker.faults import inject_fault
+
+
+class PairingRefused(RuntimeError):
+    """A consumer's published units disagree with the producer's plan."""
+
+    def __init__(self, code: Code, message: str):
+        self.code = code
+        super().__init__(f"{code}: {message}")
+
+
+def _address(unit: UnitSpec, region: UnitRegion) -> UnitAddress:
+    return UnitAddress(
+        name=unit.name, base=region.base, block_bytes=region.block_bytes,
+        num_blocks=region.num_blocks, family=unit.family, field=unit.field, layer=unit.layer,
+        heads=list(unit.heads), head_dim=unit.head_dim,
+        dtype=unit.dtype, page_tokens=unit.page_tokens, block_size=unit.block_size,
+    )
+
+
+# (published field, the expected unit's attribute, refusal code), checked in this order.
+_CHECKS = (
+    ("head_dim", "head_dim", Code.UNIT_MISMATCH_HEAD_DIM),
+    ("dtype", "dtype", Code.UNIT_MISMATCH_DTYPE),
+    ("page_tokens", "page_tokens", Code.UNIT_MISMATCH_PAGE),
+    ("block_size", "block_size", Code.UNIT_MISMATCH_BLOCK),
+)
+
+
+def check_endpoint(expected: dict[str, UnitSpec], endpoint: KVEndpoint, rank_label: str) -> None:
+    """Refuse an endpoint whose units are not the ones the plan writes into."""
+    # By (family, field, layer): a unit of another geometry is a mismatch, not a gap.
+    published = {(u.family, u.field, u.layer): u for u in endpoint.units}
+    for name, unit in expected.items():
+        got = published.get((unit.family, unit.field, unit.layer))
+        if got is None:
+            raise PairingRefused(Code.REGION_MISSING,
+                                 f"consumer rank {rank_label} publishes no unit {name}")
+        for field, attr, code in _CHECKS:
+            if getattr(got, field) != getattr(unit, attr):
+                raise PairingRefused(code, f"{name} on consumer rank {rank_label}: {field} "
+                                           f"{getattr(got, field)} but the plan has {getattr(unit, attr)}")
+        if tuple(got.heads) != unit.heads:
+            raise PairingRefused(Code.UNIT_MISMATCH_HEADS, f"{name} on consumer rank {rank_label}: "
+                                                           f"heads {got.heads} but the plan has {list(unit.heads)}")
+        if got.block_bytes != unit.bytes_per_block:
+            raise PairingRefused(Code.UNIT_MISMATCH_BLOCK, f"{name} on consumer rank {rank_label}: "
+                                                           f"{got.block_bytes} bytes per block, plan {unit.bytes_per_block}")
+
+
+class KVLink:
+    def __init__(self, graph: RunGraph, role: str, rank: int, caches: dict[str, torch.Tensor]):
+        self.graph, self.role, self.rank = graph, role, rank
+        self.units = {u.name: u for u in graph.rank(role, rank).units if u.name in caches}
+        self.transport = MooncakeTransport(graph.spec.transfer)
+        self.regions = {name: self.transport.register_unit(unit, caches[name])
+                        for name, unit in self.units.items()}
+        # Producer side, after pairing: consumer rank -> (session id, its unit regions).
+        self.peers: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = {}
+
+    def endpoint(self) -> KVEndpoint:
+        return KVEndpoint(rank=self.rank, session_id=self.transport.session_id,
+                          units=[_address(self.units[n], r) for n, r in self.regions.items()])
+
+    def pair(self, endpoints: list[KVEndpoint]) -> None:
+        """Check and keep the consumer ranks this producer rank writes to."""
+        if self.role != PRODUCER:
+            raise RuntimeError(f"{self.role} ranks do not export KV")
+        by_rank = {e.rank: e for e in endpoints}
+        peers = {}
+        for cut in self.graph.cuts:
+            if cut.producer_rank != self.rank:
+                continue
+            consumer = self.graph.rank(CONSUMER, cut.consumer_rank)
+            endpoint = by_rank.get(cut.consumer_rank)
+            if endpoint is None:
+                raise PairingRefused(Code.REGION_MISSING, f"no endpoint for consumer rank {consumer.label}")
+            cut = self._bound_part(cut)
+            written = {dst for g in cut.groups for _, dst in g.units}
+            expected = {u.name: u for u in consumer.units if u.name in written}
+            check_endpoint(expected, endpoint, consumer.label)
+            regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks)
+                       for u in endpoint.units}
+            peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
+        self.peers = peers
+
+    def _bound_part(self, cut: CutPlan) -> CutPlan:
+        """The part of a cut plan over units this rank has caches for (a drafter's units
+        join when its stage binds them)."""
+        groups = []
+        for group in cut.groups:
+            units = tuple((s, d) for s, d in group.units if s in self.regions)
+            if units:
+                groups.append(dataclasses.replace(group, units=units))
+        return dataclasses.replace(cut, groups=tuple(groups))
+
+    def export(self, exports: list[KVExport]) -> dict[str, str]:
+        """Write every request's blocks to every paired consumer rank; returns the
+        requests that failed and why (the others landed)."""
+        failed = {}
+        for job in exports:
+            try:
+                inject_fault("export", self.role, self.rank)
+                for session, regions, cut in self.peers.values():
+                    desc = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
+                    self.transport.write(session, desc)
+            except Exception as err:  # a failed write fails the request, never the rank
+                failed[job.request_id] = f"{type(err).__name__}: {err}"
+        return failed
+
+    def close(self) -> None:
+        self.transport.close()

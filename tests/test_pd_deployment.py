@@ -1,0 +1,164 @@
+"""P/D through ``pdflow.Deployment``: a producer at one parallelism writes each prompt's KV,
+cut per head, over the real Mooncake Transfer Engine (TCP loopback) into a consumer at
+another; greedy outputs equal one process's. A page-ignorant cut is caught by the outputs;
+a consumer whose units disagree is refused at pairing; faults end requests, not the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pdflow import Deployment, SamplingParams, compose
+from pdflow.graph import Code
+from pdflow.model.hf_checkpoint import write_random_checkpoint
+
+pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# Block 32 with page 16: prompts below span 1, 3 (partial) and 3 (full) blocks.
+SMALL = ["drafter=none", "prefill.block_size=32", "decode.block_size=32", "prefill.kv_page_tokens=16",
+         "decode.kv_page_tokens=16", "prefill.num_kv_blocks=24", "decode.num_kv_blocks=24",
+         "prefill.max_num_batched_tokens=64", "decode.max_num_batched_tokens=64"]
+ONE_PROCESS = ["prefill=tp1", "decode=tp1", "mode=monolithic"]
+
+
+def _prompts(vocab=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in (5, 70, 96)]
+
+
+def _tokens(overrides, prompts):
+    with Deployment(compose([*SMALL, *overrides])) as d:
+        outs = d.generate(prompts, GREEDY)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert all(free == total for free, total in _pools(d)), "blocks leaked"
+        return [o.token_ids for o in outs]
+
+
+def _pools(d):
+    return [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer) if e is not None]
+
+
+@pytest.fixture(scope="module")
+def shipped_reference():
+    return _tokens(ONE_PROCESS, _prompts())
+
+
+LAYOUTS = {
+    "pp2->tp2": ["prefill=pp2", "decode=tp2"],
+    "pp4->tp4": ["prefill=pp4", "decode=tp4"],
+    "pp4uneven->tp4": ["prefill=pp4", "prefill.layer_partition=[3,2,2,1]", "decode=tp4"],
+    "tp1->tp4": ["prefill=tp1", "decode=tp4"],
+    "tp2->tp4": ["prefill=tp2", "decode=tp4"],
+    "tp4->tp2": ["prefill=tp4", "decode=tp2"],
+    "tp4->tp1": ["prefill=tp4", "decode=tp1"],
+    "pp2->tp1": ["prefill=pp2", "decode=tp1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_pd_greedy_equals_one_process(shipped_reference, layout):
+    assert _tokens(LAYOUTS[layout], _prompts()) == shipped_reference
+
+
+def test_pd_with_prefix_cache_hits_on_the_producer(shipped_reference):
+    prompts = _prompts()
+    with Deployment(compose([*SMALL, "prefill=pp2", "decode=tp2"])) as d:
+        first = [o.token_ids for o in d.generate(prompts, GREEDY)]
+        again = [o.token_ids for o in d.generate(prompts, GREEDY)]  # the producer's blocks are cached now
+        assert d.producer.blocks.hit_tokens >= 64 + 64  # two full blocks of each long prompt
+        assert all(free == total for free, total in _pools(d))
+    assert first == again == shipped_reference
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_pd_random_checkpoints_equal_one_process(tmp_path, family):
+    folder = write_random_checkpoint(tmp_path, family=family, layers=4, hidden=128, heads=8, kv_heads=4,
+                                     head_dim=32, intermediate=256, vocab=256, seed=1, init_std=0.3)
+    model = [f"model.path={folder}", "model.name=ckpt", "model.layers=4", "model.hidden=128",
+             "model.heads=8", "model.kv_heads=4", "model.head_dim=32", "model.intermediate=256",
+             "model.vocab=256", "model.dtype=fp32", "model.weight_dtype=auto"]
+    prompts = _prompts(vocab=256, seed=2)
+    want = _tokens([*model, *ONE_PROCESS], prompts)
+    assert _tokens([*model, "prefill=pp2", "decode=tp4"], prompts) == want
+    assert _tokens([*model, "prefill=tp2", "decode=tp1"], prompts) == want
+
+
+def test_the_page_ignorant_cut_changes_the_outputs(shipped_reference):
+    """Page 16 inside block 32: cutting as if page == block hands each TP2 rank half its
+    heads' bytes from the other rank's heads. Nothing errors; the tokens change."""
+    wrong = _tokens(["prefill=pp2", "decode=tp2", "transfer.force_page_ignorant_cut=[mha]"], _prompts())
+    assert wrong != shipped_reference
+
+
+def _instances(producer_overrides, consumer_overrides):
+    """Each side from its own (valid) spec, as two separately launched instances would be:
+    only pairing can see that they disagree."""
+    from pdflow.engine.instance import Instance
+
+    base = [*SMALL, "model.path=null", "prefill=tp1", "decode=tp1"]
+    return (Instance(compose([*base, *producer_overrides]), "prefill"),
+            Instance(compose([*base, *consumer_overrides]), "decode"))
+
+
+@pytest.mark.parametrize("consumer, code", [
+    (["decode.kv_page_tokens=32", "prefill.kv_page_tokens=32"], Code.UNIT_MISMATCH_PAGE),
+    (["decode.kv_dtype=bf16", "prefill.kv_dtype=bf16"], Code.UNIT_MISMATCH_DTYPE),
+    (["decode.block_size=64", "prefill.block_size=64"], Code.UNIT_MISMATCH_BLOCK),
+    (["model.layers=6"], Code.REGION_MISSING),
+    (["model.head_dim=32", "model.hidden=256"], Code.UNIT_MISMATCH_HEAD_DIM),
+])
+def test_a_consumer_whose_units_disagree_is_refused_at_pairing(consumer, code):
+    from pdflow.worker.kv_link import PairingRefused
+
+    producer, decode = _instances([], consumer)
+    with producer, decode:
+        before = {n: t.clone() for n, t in decode.kv_caches().items()}
+        with pytest.raises(PairingRefused) as refused:
+            producer.pair(decode.open_kv_link())
+        assert refused.value.code == code
+        assert all(torch.equal(before[n], t) for n, t in decode.kv_caches().items())
+
+
+def _serve_one(d, prompt):
+    return d.generate([prompt], GREEDY)[0]
+
+
+def test_producer_dying_mid_transfer_fails_the_request_and_the_consumer_serves_on(monkeypatch):
+    monkeypatch.setenv("PDFLOW_TEST_FAULT", "export:prefill:1:die")
+    spec = compose([*SMALL, "prefill=pp2", "decode=tp1", "prefill.step_timeout_s=30"])
+    with Deployment(spec) as d:
+        out = _serve_one(d, _prompts()[1])
+        assert out.finish_reason == "error" and "prefill" in out.error
+        assert d.lost["prefill"] is not None
+        assert d.consumer.num_free_kv_blocks == d.consumer.num_kv_blocks
+        again = _serve_one(d, _prompts()[1])  # the decode instance prefills it alone
+        assert again.error is None and len(again.token_ids) == GREEDY.max_tokens
+
+
+def test_a_failed_transfer_ends_only_its_request(monkeypatch):
+    monkeypatch.setenv("PDFLOW_TEST_FAULT", "export:prefill:0:error")
+    spec = compose([*SMALL, "prefill=tp1", "decode=tp1"])
+    with Deployment(spec) as d:
+        out = _serve_one(d, _prompts()[0])
+        assert out.finish_reason == "error" and "KV transfer failed" in out.error
+        assert d.lost == {"prefill": None, "decode": None}
+        assert all(free == total for free, total in _pools(d))
+
+
+def test_consumer_killed_frees_the_producers_blocks_and_the_producer_serves_on():
+    spec = compose([*SMALL, "prefill=tp1", "decode=tp2", "decode.step_timeout_s=30"])
+    with Deployment(spec) as d:
+        assert _serve_one(d, _prompts()[0]).error is None
+        os.kill(d.consumer.instance.executor.pids[1], signal.SIGKILL)
+        out = _serve_one(d, _prompts()[1])
+        assert out.finish_reason == "error" and "decode" in out.error
+        assert d.producer.num_free_kv_blocks == d.producer.num_kv_blocks
+        again = _serve_one(d, _prompts()[2])  # the prefill instance decodes it alone
+        assert again.error is None and len(again.token_ids) == GREEDY.max_tokens
