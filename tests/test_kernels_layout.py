@@ -4,6 +4,7 @@ the benchmark harness lives in scripts/kernel_bench/ and nothing installed impor
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,3 +57,17 @@ def test_harness_imports_run_one_way():
     for mod, deps in local.items():
         for dep in deps:
             assert mod not in local.get(dep, set()), f"kernel_bench.{mod} <-> {dep}"
+
+
+# Lab-notebook markers: which sweep round or issue found something belongs in
+# bench/KERNEL_NOTES.md and git, not beside the code.
+NOTEBOOK = re.compile(r"\bround \d|\bround-\d|\bissue \d|\b(first|second|third) (H200|GPU) run|"
+                      r"\br\d best\b", re.IGNORECASE)
+
+
+def test_kernel_comments_carry_no_history():
+    files = [*(REPO / "kernels").glob("*.py"), *(REPO / "pdflow" / "attention").glob("*.py")]
+    assert NOTEBOOK.search("the first H200 run, round 4 (issue 6)")
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if NOTEBOOK.search(line)]
+    assert not hits, "\n".join(hits)
