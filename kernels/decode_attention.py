@@ -9,8 +9,8 @@ launch needs no host read of the context lengths (CUDA-graph friendly); with mor
 than one split a small reduction pass merges the partial softmaxes. The same kernel
 optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
 block, see block_attention.py): the last split attends to them in one extra tile after
-its context loop, so the context loop is exactly the decode loop (the first H200 run,
-with the block tokens mixed into every tile, was 1.8x a decode step).
+its context loop, so the context loop is exactly the decode loop (mixing the block
+tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def paged_attention(
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 4 if q.is_cuda else 1  # H200 sweep: bn64 w4 st4 splits1 at B64 x 8 heads
+        num_stages = 4 if q.is_cuda else 1  # fastest on the H200 at B64 x 8 heads (bn64 w4 st4 splits1)
     if num_splits is None:
         num_splits = default_splits(bsz, h_kv, q.device, max_context)
     nx = 0 if k_extra is None else k_extra.shape[1]

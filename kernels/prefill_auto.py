@@ -1,12 +1,12 @@
 """The prefill op the ``triton`` backend calls: the fastest measured kernel that applies.
 
 1. ``gluon``: FlashAttention-3's schedule written in Gluon (kernels/prefill_gluon.py):
-   1.02-1.04x SDPA at 8K tokens on the H200 (round 5, bench/KERNEL_NOTES.md). Needs
-   Hopper, bf16, head_dim 64/128 and page-128 blocks (one page per block).
-2. ``tma``: the best plain-Triton variant (round 4: TMA tile loads, 3-stage loop, the
-   128-row tile as two 64-row halves over 64-token K/V tiles, 4 warps; 0.78x SDPA). Needs
-   TMA (Hopper or newer, a triton with tensor descriptors), blocks a multiple of the
-   128-token tile, contiguous caches, 16-bit data, power-of-two head_dim <= 128.
+   1.02-1.04x SDPA at 8K tokens on the H200 (bench/KERNEL_NOTES.md). Needs Hopper, bf16,
+   head_dim 64/128 and page-128 blocks (one page per block).
+2. ``tma``: the plain-Triton kernel with TMA tile loads (kernels/prefill_tma.py; 0.78x
+   SDPA). Needs TMA (Hopper or newer, a triton with tensor descriptors), blocks a
+   multiple of its 64-token tile, contiguous caches, 16-bit data, power-of-two
+   head_dim <= 128.
 3. ``pointer``: the pointer-load kernel everywhere else, the CPU interpreter included,
    so CI keeps testing it.
 """
@@ -21,11 +21,9 @@ import torch
 from ._common import interpreting
 from .prefill_attention import prefill_attention as prefill_attention_ptr
 from .prefill_gluon import gluon_applies, prefill_attention_gluon
-from .prefill_variants import prefill_attention_variant, tma_supported, variant_kv_mode
+from .prefill_tma import prefill_attention_tma, tma_kv_mode, tma_supported
 
-__all__ = ["BEST", "kernel_for", "prefill_attention", "uses_tma"]
-
-BEST = dict(kv="tma2d", loop_stages=3, block_m=128, block_n=64, num_warps=4, split=2)
+__all__ = ["kernel_for", "prefill_attention", "uses_tma"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -34,13 +32,12 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when the TMA variant (``BEST``) can run these tensors."""
+    """True when the TMA kernel can run these tensors."""
     if interpreting(q) or not tma_supported() or not _has_tma(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and 16 <= q.shape[-1] <= 128
-            and v_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0
-            and v_cache.data_ptr() % 16 == 0
-            and variant_kv_mode(k_cache, "tma2d", BEST["block_n"]) != "ptr")
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+            and tma_kv_mode(k_cache, v_cache) != 0)
 
 
 _GLUON_BROKEN: set[str] = set()  # devices where the Gluon kernel failed to build or run
@@ -68,5 +65,5 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
                           RuntimeWarning, stacklevel=2)
             kernel = kernel_for(q, k_cache, v_cache)
     if kernel == "tma":
-        return prefill_attention_variant(*args, max_seqlen_q=max_seqlen_q, out=out, **BEST)
+        return prefill_attention_tma(*args, max_seqlen_q=max_seqlen_q, out=out)
     return prefill_attention_ptr(*args, max_seqlen_q=max_seqlen_q, out=out)

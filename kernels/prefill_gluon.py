@@ -1,19 +1,19 @@
 """Prefill attention in Gluon with FlashAttention-3's schedule, for Hopper.
 
-Four rounds of plain Triton stopped at 0.78x SDPA (bench/KERNEL_NOTES.md): Triton always
-waits for the QK^T wgmma before the softmax, so the softmax never overlaps a matmul.
-Gluon writes the schedule by hand:
+Plain Triton tops out at 0.78x SDPA here (prefill_tma.py; bench/KERNEL_NOTES.md): Triton
+always waits for the QK^T wgmma before the softmax, so the softmax never overlaps a
+matmul. Gluon writes the schedule by hand:
 
 - a 1-warp loader partition streams K and V tiles through TMA into a ring of ``STAGES``
   buffers and reads the block table itself; K and V have their own ready/empty mbarriers,
-  so a K buffer refills as soon as its QK^T is done (round 5's largest gain);
+  so a K buffer refills as soon as its QK^T is done (the largest single gain measured);
 - two consumer warpgroups (the default partition and one worker) each own 64 of the
   tile's 128 query rows (one query head; GQA reuse of K/V comes from L2, as FA3 does);
 - inside a warpgroup, FA3's intra-warpgroup overlap: issue S(j+1) = Q K(j+1)^T and
   O += P(j) V(j) back to back, wait only for S(j+1), run its softmax while the PV wgmma
   runs, then wait for O and rescale it. FA3's ping-pong between the two warpgroups
-  and a persistent grid are knobs; neither won on the H200 (KERNEL_NOTES; FA3's early O
-  rescale did not either and was removed).
+  and a persistent grid are knobs, off by default: neither is faster on the H200
+  (bench/KERNEL_NOTES.md).
 
 K/V come from the page-128 cache (one page = one block = the 128-token tile) viewed as
 rows ``[num_blocks * H_kv * page, D]``. The tile that runs past the context is masked in

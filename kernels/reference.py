@@ -1,8 +1,8 @@
 """Torch references for the paged, head-major KV layout (the ``torch`` backend's ops).
 
-Cache tensors are ``[num_blocks, pages_per_block, H_kv, page_tokens, D]`` (DESIGN
-section 3); a token's slot is ``block_id * block_size + offset_in_block`` with
-``block_size = pages_per_block * page_tokens``. These are the ground truth the Triton
+Cache tensors are ``[num_blocks, pages_per_block, H_kv, page_tokens, D]`` (see
+docs/ARCHITECTURE.md, 'KV units, pages and the head cut'); a token's slot is
+``block_id * block_size + offset_in_block`` with ``block_size = pages_per_block * page_tokens``. These are the ground truth the Triton
 kernels are tested against, so they favour clarity over speed: they gather the paged
 K/V into contiguous tensors and run plain softmax attention with fp32 accumulation
 (float64 inputs stay float64 so tests can build an exact reference). Query head ``h``

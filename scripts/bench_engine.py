@@ -29,7 +29,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--page-tokens", type=int, default=16)
-    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--attention-backend", default="auto", help="auto: triton on cuda, torch on cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     # Geometry of the random checkpoint (ignored with --model); default: conf/model/tiny,
@@ -130,6 +130,7 @@ def main() -> None:
                 tokenizer=False,
             )
         from pdflow.model.config import DecoderConfig
+        from pdflow.spec.attention import resolve_attention_backend
 
         cfg = DecoderConfig.from_file(folder)
         prompts = make_prompts(args, cfg.vocab_size)
@@ -146,7 +147,8 @@ def main() -> None:
           f"kv_blocks={blocks} page={args.page_tokens}/{args.block_size}")
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"commit {git_commit()}")
-    if args.device == "cpu" and args.attention_backend == "torch" and args.dtype == "float32":
+    backend = resolve_attention_backend(args.attention_backend, args.device)
+    if args.device == "cpu" and backend == "torch" and args.dtype == "float32":
         from pdflow.attention import cpu_decode  # built by the run above when it can be
 
         print(f"fused CPU decode op: {'on' if cpu_decode.op() is not None else 'off (gather)'}")

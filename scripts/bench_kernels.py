@@ -6,8 +6,9 @@ references), then a device-to-device copy (the HBM floor), paged decode (vs copy
 vs torch gather+SDPA and contiguous SDPA), DSpark block attention, causal prefill (vs
 SDPA causal on unpaged data) and the KV write, then a bounded sweep of block shapes,
 warps, stages and split counts. Prints a short table last and writes results.json and
-results.md under --out. Imports only torch and triton (no hydra): the repo's top-level
-``kernels`` folder is imported directly.
+results.md under --out. Imports only torch and triton (no hydra): the harness is
+scripts/kernel_bench/ (not installed), which finds the kernels as ``pdflow.kernels``
+installed or, without an install, in this checkout.
 
     python scripts/bench_kernels.py --out bench/results/h200          # ~3-4 min
     python scripts/bench_kernels.py --check-only --out /tmp/k         # ~1 min smoke
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HARNESS = Path(__file__).resolve().parent  # holds kernel_bench/
 
 
 def parse_args(argv=None):
@@ -90,11 +91,11 @@ def main(argv=None) -> int:
         import os
 
         os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(ROOT))  # the repo's kernels/ folder, not an installed one
+    sys.path.insert(0, str(HARNESS))
     import torch
     import triton
-
-    from kernels import benchmarks as cases
+    from kernel_bench import benchmarks as cases
+    from kernel_bench.sweep import sweep
 
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run to exercise this script on CPU")
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
             run.checkpoint()
         if not args.no_sweep:
             print("## sweep", flush=True)
-            cases.sweep(run)
+            sweep(run)
     info["elapsed_s"] = round(time.time() - run.t0, 1)
     write_results(Path(args.out), info, run)
     return 0 if ok else 1

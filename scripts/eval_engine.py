@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int, default=2048)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default="auto", help="auto: triton on cuda, torch on cpu")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--page", type=int, default=16)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         f"by steps {result.strict_by_steps}"
     )
     print(f"retrieval @{args.context_len}: {result.retrieval:.4f} by depth {result.retrieval_by_depth}")
-    print(f"{args.model} on {args.device} ({args.backend}, tp{args.tp} pp{args.pp}): {seconds:.0f}s")
+    print(f"{args.model} on {args.device} ({parallel.attention_backend}, tp{args.tp} pp{args.pp}): {seconds:.0f}s")
     if args.json:
         data = dataclasses.asdict(result) | {"seconds": round(seconds, 1), "args": vars(args)}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")

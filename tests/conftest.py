@@ -1,11 +1,20 @@
-"""Shared fixtures: composing specs from the packaged Hydra tree."""
+"""Shared fixtures: composing specs from the packaged Hydra tree.
+
+scripts/ goes on sys.path so the kernel tests import the (not installed) benchmark
+harness's input builders as ``kernel_bench``.
+"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from pdflow.graph import build_graph
 from pdflow.spec.load import compose_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
 @pytest.fixture

@@ -100,7 +100,7 @@ def test_every_consumer_rank_holds_exactly_its_heads(graph_of, name, page):
     ids, dst = transfer(graph)
     assert wrong_ranks(graph, ids, dst) == []
     runs = {len(g.runs) for c in graph.cuts for g in c.groups if g.units[0][0].startswith("mha")}
-    # One run per page (DESIGN section 3), merged into one when both ranks hold exactly
+    # One run per page (docs/ARCHITECTURE.md, 'KV units, pages and the head cut'), merged into one when both ranks hold exactly
     # the heads that move (each run's end then meets the next page's start).
     kv = graph.spec.model.kv_heads
     p_heads, c_heads = max(1, kv // graph.spec.prefill.tp), max(1, kv // graph.spec.decode.tp)

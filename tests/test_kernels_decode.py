@@ -10,10 +10,11 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton kernel decoration
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernel_bench import paged_inputs as T  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
-from pdflow.kernels import testing as T  # noqa: E402
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda  # noqa: E402
 
-T.use_interpreter_if_no_cuda()
+use_interpreter_if_no_cuda()
 from pdflow.kernels.decode_attention import decode_attention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,13 +11,14 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton kernel decoration
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernel_bench import paged_inputs as T  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
-from pdflow.kernels import testing as T  # noqa: E402
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda  # noqa: E402
 
-T.use_interpreter_if_no_cuda()
+use_interpreter_if_no_cuda()
 from pdflow.kernels import prefill_auto as PA  # noqa: E402
 from pdflow.kernels import prefill_gluon as PG  # noqa: E402
-from pdflow.kernels import prefill_variants as PV  # noqa: E402
+from pdflow.kernels import prefill_tma as PT  # noqa: E402
 from pdflow.kernels.prefill_attention import prefill_attention as pointer_prefill  # noqa: E402
 
 from pdflow.attention.backends import get_backend  # noqa: E402
@@ -54,29 +55,29 @@ def test_cpu_picks_the_pointer_kernel():
 def test_predicate_on_a_pretend_hopper(monkeypatch):
     """What the predicate would say on a TMA device (no device needed), and that the TMA
     path it then takes gives the reference's answer through the dispatch."""
-    if not PV.tma_supported():
+    if not PT.tma_supported():
         pytest.skip("no tensor descriptors in this triton")
     monkeypatch.setattr(PA, "interpreting", lambda q: False)
     monkeypatch.setattr(PA, "_has_tma", lambda dev: True)
     bf = _inputs([140, 20], [140, 20], 4, 2, 32, 16, 8, torch.bfloat16)  # 128-token blocks
     assert PA.uses_tma(*bf[:3])
-    assert PV.variant_kv_mode(bf[1], "tma2d", 128) == "tma"
+    assert PT.tma_kv_mode(bf[1], bf[2]) == PT.PAGE_BOXES
     assert PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 128, 1, torch.float16)[:3])
     assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 16, 8, torch.float32)[:3])
     assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 32, 16, 2, torch.bfloat16)[:3])  # 32
     assert not PA.uses_tma(*_inputs([20], [20], 4, 2, 48, 16, 8, torch.bfloat16)[:3])  # d48
     calls = []
-    monkeypatch.setattr(PA, "prefill_attention_variant",
-                        lambda *a, **kw: calls.append(kw) or PV.prefill_attention_variant(*a, **kw))
+    monkeypatch.setattr(PA, "prefill_attention_tma",
+                        lambda *a, **kw: calls.append(kw) or PT.prefill_attention_tma(*a, **kw))
     _check(bf, 32)
-    assert calls and calls[0]["kv"] == "tma2d" and calls[0]["loop_stages"] == 3
+    assert len(calls) == 1 and set(calls[0]) == {"max_seqlen_q", "out"}  # the defaults
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page,ppb", [(16, 8), (128, 1)])
 def test_gpu_dispatch(page, ppb):
-    hopper = torch.cuda.get_device_capability()[0] == 9 and PV.tma_supported()
+    hopper = torch.cuda.get_device_capability()[0] == 9 and PT.tma_supported()
     args = _inputs([1000, 300, 129], [1000, 44, 1], 32, 8, 128, page, ppb, torch.bfloat16)
     assert PA.uses_tma(*args[:3]) == hopper
     gluon = hopper and page == 128 and PG.gluon_available()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_bench import paged_inputs as T
 from pdflow.kernels import prefill_gluon as PG
 from pdflow.kernels import reference as ref
-from pdflow.kernels import testing as T
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9

@@ -11,11 +11,12 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton kernel decoration
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernel_bench import paged_inputs as T  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
-from pdflow.kernels import testing as T  # noqa: E402
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda  # noqa: E402
 
-T.use_interpreter_if_no_cuda()
-from pdflow.kernels import prefill_variants as PV  # noqa: E402
+use_interpreter_if_no_cuda()
+from kernel_bench import prefill_variants as PV  # noqa: E402
 from pdflow.kernels._common import exp_mode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,7 +112,7 @@ def test_prefill_only_dry_run_checks_then_times_every_variant(tmp_path):
     import sys
     from pathlib import Path
 
-    from pdflow.kernels import sweep
+    from kernel_bench import sweep
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
     out = subprocess.run([sys.executable, str(script), "--dry-run", "--prefill-only", "--budget-s", "1e9", "--out",

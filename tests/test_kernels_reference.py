@@ -26,7 +26,7 @@ def test_store_kv_places_token_at_head_major_offset():
         blk, off = divmod(s, bs)
         p, t = divmod(off, page)
         for hh in range(h):
-            # DESIGN section 3: head h of page p starts at ((p*H)+h)*page*d in the block.
+            # docs/ARCHITECTURE.md, 'KV units, pages and the head cut': head h of page p starts at ((p*H)+h)*page*d in the block.
             base = blk * bs * h * d + ((p * h) + hh) * page * d + t * d
             assert torch.equal(flat[base : base + d], k[i, hh])
     assert int(torch.isnan(kc).any(-1).sum()) == (nb * ppb * page - 4) * h

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():  # must precede the first triton kernel decora
     os.environ["TRITON_INTERPRET"] = "1"
 
 from pdflow.kernels import reference as ref  # noqa: E402
-from pdflow.kernels import testing  # noqa: E402
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda  # noqa: E402
 
-testing.use_interpreter_if_no_cuda()
+use_interpreter_if_no_cuda()
 from pdflow.kernels.store_kv import store_kv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

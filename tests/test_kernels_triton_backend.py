@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton kernel decoration
     os.environ["TRITON_INTERPRET"] = "1"
 
-from pdflow.kernels import testing as T  # noqa: E402
+from kernel_bench import paged_inputs as T  # noqa: E402
 
 from pdflow.attention.backends import get_backend  # noqa: E402
 from pdflow.attention.layer import PagedAttention  # noqa: E402

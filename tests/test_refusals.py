@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdflow.graph import Code
+from pdflow.spec import attention
 
 MHA_K0 = "mha.fp32_d64.k.layer_0"
 MHA_K1 = "mha.fp32_d64.k.layer_1"
@@ -61,13 +62,23 @@ CASES = {
         [f"+transfer.consumer_map={{{MHA_K0}:{MHA_K0}}}"],
     ),
     Code.BATCH_OVER_GRID_LIMIT: (
-        ["prefill.max_num_batched_tokens=16384"],  # x4 KV heads per TP1 stage = 65536
-        ["prefill.max_num_batched_tokens=16383"],
+        # x4 KV heads per TP1 stage = 65536 rows on a backend that caps them at 65535
+        ["prefill.attention_backend=grid_capped", "prefill.max_num_batched_tokens=16384"],
+        ["prefill.attention_backend=grid_capped", "prefill.max_num_batched_tokens=16383"],
     ),
     Code.BAD_LAYER_PARTITION: (["prefill.layer_partition=[3,3,1,2]"], ["prefill.layer_partition=[3,3,1,1]"]),
     Code.DRAFTER_TAP_OUT_OF_RANGE: (["drafter.taps=[1,8]"], ["drafter.taps=[1,7]"]),
     Code.KV_POOL_EMPTY: (["prefill.memory=0.001"], ["prefill.memory=0.1"]),
+    # The shipped tiny model's checkpoint (model.path) has a 128-token vocab.
+    Code.MODEL_GEOMETRY_MISMATCH: (["model.vocab=256"], ["model.vocab=128"]),
 }
+
+
+@pytest.fixture(autouse=True)
+def grid_capped_backend(monkeypatch):
+    """A backend whose kernels put rows on a capped grid axis (none of pdflow's do)."""
+    monkeypatch.setitem(attention.BACKEND_LIMITS, "grid_capped",
+                        attention.BackendLimits(grid_row_limit=65535))
 
 
 @pytest.mark.parametrize("code", list(CASES), ids=str)
@@ -107,7 +118,8 @@ def test_cross_side_tp_not_multiple(graph_of):
 
 def test_all_refusals_reported_at_once(graph_of):
     graph = graph_of(
-        "prefill=pp4", "drafter=eagle3", "prefill.max_num_batched_tokens=16400", "decode.kv_dtype=bf16"
+        "prefill=pp4", "drafter=eagle3", "prefill.max_num_batched_tokens=16400", "decode.kv_dtype=bf16",
+        "prefill.attention_backend=grid_capped",
     )
     assert graph.codes() == {Code.EAGLE3_UNDER_PP, Code.BATCH_OVER_GRID_LIMIT, Code.UNIT_MISMATCH_DTYPE}
 

@@ -4,7 +4,8 @@ A backend is any object with ``store_kv``, ``prefill_attention`` and
 ``decode_attention`` taking the arguments of ``pdflow.kernels.reference``; prefill also
 takes ``max_seqlen_q`` (the longest chunk, from the host; None: derive it). Built-in
 names map to modules imported on first use (so ``"triton"`` costs nothing until asked
-for); ``register_backend`` adds others.
+for); ``register_backend`` adds others, with the launch limits its kernels have (the
+graph reads them from pdflow.spec.attention, torch-free, to refuse at plan time).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from pdflow.spec.attention import BackendLimits, declare_backend_limits
 
 
 class AttentionBackend(Protocol):
@@ -35,8 +38,13 @@ BUILTIN_MODULES = {
 _factories: dict[str, Callable[[], AttentionBackend]] = {}
 
 
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+def register_backend(name: str, factory: Callable[[], AttentionBackend],
+                     limits: BackendLimits | None = None) -> None:
+    """Make ``name`` available; ``limits``: what its kernels cannot launch (None: keep
+    what pdflow.spec.attention declares for it, no limit for a new name)."""
     _factories[name] = factory
+    if limits is not None:
+        declare_backend_limits(name, limits)
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -3,8 +3,9 @@
 Every layer of a step attends with the same block tables and lengths, so the page rows
 to gather, the masks and the store slots are derived once (on the first layer) and
 reused by the rest. Cache tensors are ``[num_blocks, pages_per_block, H_kv, page, D]``
-(DESIGN section 3): viewed as rows of ``D`` elements, token ``t`` of head ``h`` of
-page ``p`` (pages flattened over blocks) is row ``(p * H_kv + h) * page + t``, so one
+(see docs/ARCHITECTURE.md, 'KV units, pages and the head cut'): viewed as rows of ``D``
+elements, token ``t`` of head ``h`` of page ``p`` (pages flattened over blocks) is row
+``(p * H_kv + h) * page + t``, so one
 ``index_select`` of rows ordered ``[b, h, position]`` yields every sequence's K or V as
 a contiguous ``[B, H_kv, L, D]`` (L: the longest context; shorter ones are masked).
 Gathering tokens rather than whole pages measured as fast on CPU and needs no page

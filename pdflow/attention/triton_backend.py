@@ -12,9 +12,9 @@ back either. ``kernels/prefill_auto.py`` picks the prefill kernel (Gluon, TMA or
 from __future__ import annotations
 
 from pdflow.attention.backends import register_backend
-from pdflow.kernels import testing as _testing
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda
 
-_testing.use_interpreter_if_no_cuda()
+use_interpreter_if_no_cuda()
 
 from pdflow.kernels.block_attention import block_attention  # noqa: E402
 from pdflow.kernels.decode_attention import decode_attention  # noqa: E402

@@ -6,10 +6,8 @@ from pdflow.graph.heads import default_taps, heads_divisible, rank_heads
 from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition, parallel_of
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
-
-# CUDA caps grid axes y and z at 65535; the attention kernels launch one row per
-# (token, KV head) there.
-GRID_ROW_LIMIT = 65535
+from pdflow.spec.attention import backend_limits
+from pdflow.spec.checkpoint import geometry_mismatches, hf_geometry, read_hf_config
 
 
 def resolved_taps(spec: RunSpec) -> list[int]:
@@ -135,26 +133,58 @@ def check_drafter(spec: RunSpec) -> list[Refusal]:
 
 
 def check_grid(spec: RunSpec) -> list[Refusal]:
+    """A batch the side's attention backend cannot launch: only backends that declare a
+    grid row limit have one (pdflow's kernels put rows on grid axis 0, uncapped)."""
     out = []
     kvs = [spec.model.kv_heads] + ([spec.drafter.kv_heads] if spec.drafter.enabled else [])
     for role, par in _sides(spec):
+        backend = par.attention_backend
+        limit = backend_limits(backend).grid_row_limit
+        if limit is None:
+            continue
         per_rank = max(len(rank_heads(kv, par.tp, 0)) for kv in kvs)
         rows = par.max_num_batched_tokens * per_rank
-        if rows > GRID_ROW_LIMIT:
+        if rows > limit:
             out.append(
                 Refusal(
                     code=Code.BATCH_OVER_GRID_LIMIT,
                     message=f"{role}.max_num_batched_tokens={par.max_num_batched_tokens} x "
-                    f"{per_rank} KV heads per rank = {rows} attention rows, over the kernel "
-                    f"grid limit of {GRID_ROW_LIMIT}.",
-                    fix=f"lower {role}.max_num_batched_tokens to at most {GRID_ROW_LIMIT // per_rank}.",
+                    f"{per_rank} KV heads per rank = {rows} attention rows, over the grid "
+                    f"row limit of {limit} that attention backend {backend!r} declares.",
+                    fix=f"lower {role}.max_num_batched_tokens to at most {limit // per_rank}, "
+                    f"or use an attention backend without the limit ({role}.attention_backend="
+                    "triton or torch).",
                 )
             )
     return out
 
 
+def check_model_geometry(spec: RunSpec) -> list[Refusal]:
+    """A declared geometry that disagrees with the checkpoint at ``model.path``: the graph
+    would place heads and size KV units for a model that is not there. A path this
+    machine cannot read is not checked (plans may be made away from the checkpoint)."""
+    model = spec.model
+    if not model.path:
+        return []
+    try:
+        geometry = hf_geometry(read_hf_config(model.path))
+    except (OSError, ValueError, KeyError):
+        return []
+    return [
+        Refusal(
+            code=Code.MODEL_GEOMETRY_MISMATCH,
+            message=f"model.{key}={declared!r} but the checkpoint at {model.path} has "
+            f"{key} {found!r} (its config.json).",
+            fix=f"set model.{key}={found}, or take the whole geometry from the checkpoint: "
+            f"model=hf model.path={model.path}.",
+        )
+        for key, declared, found in geometry_mismatches(model, geometry)
+    ]
+
+
 def check_spec(spec: RunSpec) -> list[Refusal]:
     return [
+        *check_model_geometry(spec),
         *check_partitions(spec),
         *check_head_cuts(spec),
         *check_pages(spec),

@@ -1,5 +1,5 @@
 """Head-cut plans: for one block, the byte runs each producer rank writes to each
-consumer rank (docs/ARCHITECTURE.md, "KV units, pages and the head cut")."""
+consumer rank (see docs/ARCHITECTURE.md, 'KV units, pages and the head cut')."""
 
 from __future__ import annotations
 

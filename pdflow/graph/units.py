@@ -1,8 +1,9 @@
 """KV units: one field of one layer row for one block, and where its bytes lie.
 
-Layout inside one block of a unit (DESIGN section 3): page-major, then head-major
-within a page, then tokens, then head_dim. So head ``h`` (local index) of page ``p`` is
-one contiguous run of ``page_tokens * head_dim * itemsize`` bytes at
+Layout inside one block of a unit (see docs/ARCHITECTURE.md, 'KV units, pages and the
+head cut'): page-major, then head-major within a page, then tokens, then head_dim. So
+head ``h`` (local index) of page ``p`` is one contiguous run of
+``page_tokens * head_dim * itemsize`` bytes at
 ``((p * H_local) + h) * page_tokens * head_dim * itemsize``. A cache tensor for one unit
 is therefore ``[num_blocks, block_size // page_tokens, H_local, page_tokens, head_dim]``.
 """

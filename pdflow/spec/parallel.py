@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdflow.spec.attention import AUTO, resolve_attention_backend
+
 GIB = 1 << 30
 PARTITIONS = ("even", "lighter_last")
 
@@ -40,7 +42,9 @@ class ParallelSpec:
     device_offset: int | None = None
     # Fix the KV pool size instead of deriving it from memory (tests, tiny CPU runs).
     num_kv_blocks: int | None = None
-    attention_backend: str = "torch"
+    # A name from pdflow.attention.backends, or "auto" (resolved in __post_init__ by
+    # spec/attention.py: triton on cuda, torch on cpu), so readers always see a name.
+    attention_backend: str = AUTO
     # True: never replay CUDA graphs for decode steps (they need CUDA and the triton backend).
     enforce_eager: bool = False
     # torch.distributed rendezvous of this instance's ranks; port 0 picks a free one.
@@ -61,6 +65,7 @@ class ParallelSpec:
             raise ValueError(
                 f"kv_page_tokens ({self.kv_page_tokens}) must divide block_size ({self.block_size})"
             )
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition {self.partition!r} is not one of {PARTITIONS}")
         if self.memory <= 0:

@@ -3,8 +3,9 @@
 The graph says, for one block, which byte runs of each producer unit land where in each
 consumer unit (``CutPlan``); this module only adds addresses: a unit's cache base, the
 block's index on each side, and the run offsets, then merges descriptors that are
-contiguous on both sides. It computes no layout of its own (DESIGN: the graph is the only
-place that does), needs no torch and no engine, and so is tested on its own.
+contiguous on both sides. It computes no layout of its own (the graph is the only
+place that does: docs/ARCHITECTURE.md, 'Invariants'), needs no torch and no engine, and
+so is tested on its own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Builders shared by the kernel tests and scripts/bench_kernels.py.
+"""Paged K/V inputs shared by the kernel tests and scripts/bench_kernels.py.
 
 Every cache slot that no sequence owns, and every block-table entry past a sequence's
 last block, holds NaN (through a reserved "poison" block), so a kernel that reads one
@@ -7,31 +7,8 @@ token too far returns NaN and fails the comparison instead of passing silently.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import torch
-
-from . import reference as ref
-
-# Reloaded in this order: a module after the ones it imports kernels from.
-KERNEL_MODULES = ("_common", "store_kv", "decode_attention", "block_attention",
-                  "prefill_attention", "prefill_variants", "prefill_gluon", "prefill_auto")
-
-
-def use_interpreter_if_no_cuda() -> bool:
-    """Set TRITON_INTERPRET=1 when there is no CUDA device. Triton reads it when a kernel
-    is decorated, so kernel modules imported before this call are re-imported."""
-    if torch.cuda.is_available():
-        return False
-    os.environ["TRITON_INTERPRET"] = "1"
-    pkg = __name__.rsplit(".", 1)[0]
-    for name in KERNEL_MODULES:
-        mod = sys.modules.get(f"{pkg}.{name}")
-        if mod is not None:
-            importlib.reload(mod)
-    return True
+from pdflow.kernels import reference as ref
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -82,9 +59,11 @@ def random_paged(batch, ctx, h_kv, d, page, ppb, dtype, device, seed=0):
 
 
 def randn(*shape, dtype, device="cpu", seed=1) -> torch.Tensor:
+    """Seeded normal values drawn on the CPU, so every device sees the same numbers."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
 
 def as64(*tensors):
+    """float64 copies, for the references."""
     return [t.double() for t in tensors]

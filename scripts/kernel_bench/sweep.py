@@ -12,14 +12,14 @@ import itertools
 from functools import partial
 
 import torch
+from pdflow.kernels import prefill_gluon
+from pdflow.kernels import reference as ref
+from pdflow.kernels.decode_attention import decode_attention
+from pdflow.kernels.prefill_attention import prefill_attention
 
-from . import prefill_gluon
-from . import reference as ref
-from . import testing as T
-from .benchmarks import _causal_flops, _heads, _prefill_case, _prefix_case
-from .decode_attention import decode_attention
-from .prefill_attention import prefill_attention
+from . import paged_inputs as T
 from .prefill_variants import prefill_attention_variant, variant_kv_mode
+from .shapes import causal_flops, heads, prefill_case, prefix_case
 
 # (block_n, num_warps, num_stages)
 # The first H200 run swept 8 tiles x 4 splits (bn64 w4 st4 splits1 won, 4.43 TB/s); keep
@@ -59,7 +59,7 @@ def _best(run, rows):
 
 
 def sweep_decode(run, page, ppb, tiles, splits):
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     b, ctx = (2, 40) if run.tiny else (64, 8192)
     kc, vc, cl, bt = T.random_paged(b, ctx, hkv, d, page, ppb, torch.bfloat16, run.dev)
     q = T.randn(b, hq, d, dtype=torch.bfloat16, device=run.dev)
@@ -77,11 +77,11 @@ def sweep_decode(run, page, ppb, tiles, splits):
 
 
 def sweep_prefill(run, page, ppb, tiles):
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     t = 48 if run.tiny else 8192
-    q, kc, vc, cu, cl, bt = _prefill_case(run, t, page, ppb)
+    q, kc, vc, cu, cl, bt = prefill_case(run, t, page, ppb)
     default = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t)
-    flops = _causal_flops(t, hq, d)
+    flops = causal_flops(t, hq, d)
     rows = []
     for bm, bn, w, st in tiles:
         params = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
@@ -112,11 +112,11 @@ def _label(kw, mode):
 def sweep_prefill_variants(run, page, ppb, t=None):
     """Each variant vs SDPA causal timed in the same run (run.sdpa_ms); ``tma2d`` falls
     back to the 4D page boxes below page == block, so page 16 runs each as "tma"."""
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     t = t or (48 if run.tiny else 8192)
-    q, kc, vc, cu, cl, bt = _prefill_case(run, t, page, ppb)
+    q, kc, vc, cu, cl, bt = prefill_case(run, t, page, ppb)
     default = prefill_attention(q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t)
-    flops = _causal_flops(t, hq, d)
+    flops = causal_flops(t, hq, d)
     base = getattr(run, "sdpa_ms", {}).get(t)
     rows, seen = [], set()
     for variant in PREFILL_VARIANTS:
@@ -139,9 +139,8 @@ def sweep_prefill_variants(run, page, ppb, t=None):
     _best(run, rows)
 
 
-# Round 4 (issue 6, the --prefill-only sweep): round 3's two measured gains (packed
-# bf16x2 exp2: +21%, two 64-row halves: +16%, both on round 3's slower kernel, since
-# removed) on round 2's best itself, then the control, then the halves at 8 warps (AOT:
+# Round 4 of bench/KERNEL_NOTES.md (the --prefill-only sweep): packed bf16x2 exp2 and two
+# 64-row halves on the tma2d 3-stage loop, then the control, then the halves at 8 warps (AOT:
 # 680 B spilled, expected to lose). Each entry overrides BIG.
 R2_BEST = dict(kv="tma2d", loop_stages=3)
 HALVES = dict(split=2, num_warps=4, block_n=64)
@@ -168,11 +167,11 @@ def _round_call(kw, tiny):
 def _round_inputs(run, page, ppb):
     """The realistic check case (prefix hits, a verify row; float64 reference) and the
     timing case (one 8K causal prompt) for one page size."""
-    hq, hkv, d = _heads(run)
-    check = q, kc, vc, cu, cl, bt = _prefix_case(run, page, ppb)
+    hq, hkv, d = heads(run)
+    check = q, kc, vc, cu, cl, bt = prefix_case(run, page, ppb)
     want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
     t = 48 if run.tiny else 8192
-    return check, want, _prefill_case(run, t, page, ppb), t, _causal_flops(t, hq, d), d**-0.5
+    return check, want, prefill_case(run, t, page, ppb), t, causal_flops(t, hq, d), d**-0.5
 
 
 # Round 5: the Gluon kernel (FA3 schedule, page 128 only), its measured knobs around the
@@ -245,13 +244,21 @@ def sweep_prefill_round(run, pages=((128, 1), (16, 8))):
         _best(run, rows[key])
 
 
+def sweep(run) -> None:
+    """The --prefill-only rounds, or every sweep."""
+    if run.args.prefill_only:
+        sweep_prefill_round(run)
+    else:
+        sweep_all(run)
+
+
 def sweep_all(run) -> None:
     if run.tiny:
         sweep_decode(run, 16, 2, DECODE_TILES[:2], [1, 2])
         sweep_prefill(run, 16, 2, [(32, 16, 4, 1), (16, 16, 4, 1)])
         sweep_prefill_variants(run, 16, 1)
         return
-    # The prefill variants first: they are what this run is for (issue 6, round 2).
+    # The prefill variants first: they are the least settled.
     sweep_prefill_variants(run, 128, 1)
     sweep_prefill_variants(run, 16, 8)
     rows = [r for r in sweep_decode(run, 16, 8, DECODE_TILES, DECODE_SPLITS) if r]

@@ -1,4 +1,4 @@
-"""Cases for scripts/bench_kernels.py: realistic-shape checks, timings and a bounded sweep.
+"""Checks and timings for scripts/bench_kernels.py at realistic shapes.
 
 Bytes and FLOPs follow bench/KERNEL_NOTES.md: decode and block attention count the
 K/V bytes read (the floor), prefill counts causal FLOPs, the KV write counts bytes
@@ -11,22 +11,15 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from pdflow.kernels import prefill_gluon
+from pdflow.kernels import reference as ref
+from pdflow.kernels.block_attention import block_attention
+from pdflow.kernels.decode_attention import decode_attention
+from pdflow.kernels.prefill_attention import prefill_attention
+from pdflow.kernels.store_kv import store_kv
 
-from . import prefill_gluon
-from . import reference as ref
-from . import testing as T
-from .block_attention import block_attention
-from .decode_attention import decode_attention
-from .prefill_attention import prefill_attention
-from .store_kv import store_kv
-
-H_Q, H_KV, D, DT = 32, 8, 128, torch.bfloat16
-PAGES = ((16, 8), (128, 1))  # (page_tokens, pages_per_block): 128-token blocks
-TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def _heads(run):
-    return (4, 2, 64) if run.tiny else (H_Q, H_KV, D)
+from . import paged_inputs as T
+from .shapes import DT, PAGES, TOL, causal_flops, decode_bytes, heads, prefill_case, prefix_case
 
 
 def _record(run, name, got, want, dtype):
@@ -38,7 +31,7 @@ def _record(run, name, got, want, dtype):
 
 
 def check_all(run) -> None:
-    dev, hq, hkv, d = run.dev, *_heads(run)
+    dev, hq, hkv, d = run.dev, *heads(run)
     lens = [40, 1, 33, 17] if run.tiny else [8192, 1, 4099, 777, 3000, 8191, 128, 5000]
     cases = [(hq, hkv, d, *pg, DT, s) for pg in PAGES for s in (None, 4)]
     cases += [(hkv, hkv, 64, 16, 8, torch.float16, None), (hkv * 8, hkv, d, 16, 1,
@@ -76,25 +69,12 @@ def check_all(run) -> None:
         print(f"  {'ok  ' if same else 'FAIL'} store_kv page{page} n={n}", flush=True)
 
 
-def _prefix_case(run, page, ppb):
-    """Prefix hits, a long prompt, a chunk and an 8-token verify row on a NaN-poisoned
-    cache: (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)."""
-    hq, hkv, d = _heads(run)
-    plens, qlens = ([40, 30], [40, 7]) if run.tiny else ([4096, 3000, 1500, 777],
-                                                        [4096, 1000, 1500, 8])
-    kc, vc, cl, bt = T.make_paged(plens, hkv, d, page, ppb, DT, run.dev)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device=run.dev)
-    q = T.randn(sum(qlens), hq, d, dtype=DT, device=run.dev)
-    return q, kc, vc, cu, cl, bt
-
-
 def check_prefill(run) -> None:
     """The backend's prefill kernel, and the Gluon one where it applies, against float64
     on the prefix-hit case at both page sizes."""
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     for page, ppb in PAGES:
-        q, kc, vc, cu, cl, bt = args = _prefix_case(run, page, ppb)
+        q, kc, vc, cu, cl, bt = args = prefix_case(run, page, ppb)
         want = ref.prefill_attention(*T.as64(q, kc, vc), cu, cl, bt, d**-0.5)
         got = prefill_attention(*args, d**-0.5)
         _record(run, f"prefill {hq}/{hkv} d{d} page{page} (prefix hits, verify)", got, want, DT)
@@ -122,10 +102,6 @@ def bench_copy(run) -> None:
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
 
-def _decode_bytes(b, ctx, hq, hkv, d, isz=2):
-    return 2 * b * ctx * hkv * d * isz + 2 * b * hq * d * isz
-
-
 def _gather_sdpa(q, kc, vc, bt, ctx, hkv, d):
     """torch baseline: gather pages into contiguous [B, H_kv, L, D], then SDPA."""
     b = q.shape[0]
@@ -139,10 +115,10 @@ def _gather_sdpa(q, kc, vc, bt, ctx, hkv, d):
 
 
 def bench_decode(run) -> None:
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     b = 2 if run.tiny else 64
     for ctx in ([40] if run.tiny else [2048, 8192, 32768]):
-        nbytes = _decode_bytes(b, ctx, hq, hkv, d)
+        nbytes = decode_bytes(b, ctx, hq, hkv, d)
         base = g = None
         if ctx == 8192 or run.tiny:
             q4 = T.randn(b, hq, 1, d, dtype=DT, device=run.dev)
@@ -169,7 +145,7 @@ def bench_decode(run) -> None:
 
 
 def bench_block(run) -> None:
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     b, kb, ctx = (2, 4, 40) if run.tiny else (64, 8, 8192)
     for page, ppb in PAGES:
         kc, vc, cl, bt = T.random_paged(b, ctx, hkv, d, page, ppb, DT, run.dev)
@@ -179,22 +155,9 @@ def bench_block(run) -> None:
         dec = getattr(run, "decode_ms", {}).get((ctx, page))
         if ms:  # goal: <= 1.1x a plain decode step on the same context (vs_baseline >= 0.91)
             run.add("block (DSpark) triton", f"B{b} K{kb} ctx{ctx} page{page}", ms,
-                    nbytes=_decode_bytes(b, ctx + kb, hq * kb, hkv, d),
+                    nbytes=decode_bytes(b, ctx + kb, hq * kb, hkv, d),
                     flops=4 * b * kb * hq * d * (ctx + kb), baseline=dec,
                     note="vs_baseline: decode step, same context" if dec else "")
-
-
-def _prefill_case(run, t, page, ppb, prefix=0):
-    hq, hkv, d = _heads(run)
-    kc, vc, cl, bt = T.random_paged(1, prefix + t, hkv, d, page, ppb, DT, run.dev)
-    q = T.randn(t, hq, d, dtype=DT, device=run.dev)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=run.dev)
-    return q, kc, vc, cu, cl, bt
-
-
-def _causal_flops(t, hq, d, prefix=0):
-    """QK^T and PV over the visible (query, key) pairs: 2 matmuls x 2 FLOP x D x H_q."""
-    return 4 * hq * d * (t * prefix + t * (t + 1) // 2)
 
 
 def _paired(run, shape, base_fn, fn, flops, pairs=7) -> None:
@@ -215,9 +178,9 @@ def _paired(run, shape, base_fn, fn, flops, pairs=7) -> None:
 
 
 def bench_prefill(run) -> None:
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     for t in ([48] if run.tiny else [2048, 8192]):
-        flops = _causal_flops(t, hq, d)
+        flops = causal_flops(t, hq, d)
         q4 = T.randn(1, hq, t, d, dtype=DT, device=run.dev)
         k = torch.randn(1, hkv, t, d, device=run.dev, dtype=DT)
         base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, k, is_causal=True,
@@ -225,7 +188,7 @@ def bench_prefill(run) -> None:
         run.add("prefill sdpa causal", f"T{t}", base, flops=flops)
         run.sdpa_ms = {**getattr(run, "sdpa_ms", {}), t: base}
         for page, ppb in PAGES:
-            args = _prefill_case(run, t, page, ppb)
+            args = prefill_case(run, t, page, ppb)
             ms = _safe(run, "prefill", prefill_attention, *args, d**-0.5, max_seqlen_q=t)
             if ms:
                 run.add("prefill triton", f"T{t} page{page}", ms, flops=flops, baseline=base,
@@ -237,22 +200,22 @@ def bench_prefill(run) -> None:
                                 max_seqlen_q=t)
                 _paired(run, f"T{t} page{page}", sdpa, gluon, flops)
     if not run.tiny:  # chunked prefill: 2K new tokens after a 6K cached prefix
-        args = _prefill_case(run, 2048, 16, 8, prefix=6144)
+        args = prefill_case(run, 2048, 16, 8, prefix=6144)
         ms = _safe(run, "chunk", prefill_attention, *args, d**-0.5, max_seqlen_q=2048)
         if ms:
             run.add("prefill triton chunk", "T2048 after 6144 page16", ms,
-                    flops=_causal_flops(2048, hq, d, 6144))
-        args = _prefill_case(run, 2048, 128, 1, prefix=6144)
+                    flops=causal_flops(2048, hq, d, 6144))
+        args = prefill_case(run, 2048, 128, 1, prefix=6144)
         if prefill_gluon.gluon_applies(*args[:3]):
             ms = _safe(run, "chunk gluon", prefill_gluon.prefill_attention_gluon, *args, d**-0.5,
                        max_seqlen_q=2048)
             if ms:
                 run.add("prefill gluon chunk", "T2048 after 6144 page128", ms,
-                        flops=_causal_flops(2048, hq, d, 6144))
+                        flops=causal_flops(2048, hq, d, 6144))
 
 
 def bench_store(run) -> None:
-    hq, hkv, d = _heads(run)
+    hq, hkv, d = heads(run)
     n = 64 if run.tiny else 8192
     for page, ppb in PAGES:
         nb = n // (page * ppb) + 1
@@ -264,12 +227,3 @@ def bench_store(run) -> None:
         if ms:
             run.add("store_kv triton", f"N{n} page{page}", ms, nbytes=4 * n * hkv * d * 2)
 
-
-def sweep(run) -> None:
-    """Bounded variants; each is also checked against the default config's output."""
-    from .sweep import sweep_all, sweep_prefill_round
-
-    if run.args.prefill_only:
-        sweep_prefill_round(run)
-    else:
-        sweep_all(run)

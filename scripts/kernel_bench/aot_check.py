@@ -1,11 +1,12 @@
-"""Compile the kernels (and the TMA prefill variants) for sm_90 (H100/H200) without a GPU, and check they pipeline.
+"""Compile the kernels (and the experimental prefill variants) for sm_90 (H100/H200)
+without a GPU, and check they pipeline.
 
-``python -m pdflow.kernels.aot_check`` (or ``python kernels/aot_check.py``) builds the
-decode, merge, prefill and KV-write kernels at their Llama-like bf16 configs through
-triton's own compiler and ptxas, as the JIT would on the GPU (integer strides marked
-divisible by 16, as the JIT specialises them), and asserts that the K/V loads became
-async copies (software-pipelined) and that shared memory fits. It catches GPU-only
-compile errors before a GPU lease is spent.
+``python scripts/kernel_bench/aot_check.py`` builds the decode, merge, prefill and
+KV-write kernels at their Llama-like bf16 configs through triton's own compiler and
+ptxas, as the JIT would on the GPU (integer strides marked divisible by 16, as the JIT
+specialises them), and asserts that the K/V loads became async copies
+(software-pipelined) and that shared memory fits. It catches GPU-only compile errors
+before a GPU lease is spent.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ import sys
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("aot_check needs TRITON_INTERPRET unset (it compiles real GPU code)")
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "kernel_bench"  # noqa: A001
+    import kernel_bench  # noqa: E402, F401  (maps pdflow.kernels without an install)
+
 import triton  # noqa: E402
+from pdflow.kernels import decode_attention as DA  # noqa: E402
+from pdflow.kernels import prefill_attention as PA  # noqa: E402
+from pdflow.kernels import prefill_gluon as PG  # noqa: E402
+from pdflow.kernels import prefill_tma as PT  # noqa: E402
+from pdflow.kernels import store_kv as SK  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    __package__ = "kernels"  # noqa: A001
-
-from . import decode_attention as DA  # noqa: E402
-from . import prefill_attention as PA  # noqa: E402
-from . import prefill_gluon as PG  # noqa: E402
 from . import prefill_variants as PV  # noqa: E402
-from . import store_kv as SK  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
@@ -74,6 +77,11 @@ def cases():
     yield ("decode split4 page128", DA._paged_split_kernel,
            {**base, "PAGE": 128, "PPB": 1, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
             "BLOCK_X": 16, "SPLITS": 4}, {**dec, "o_ptr": "*fp32"}, dict(num_warps=4, num_stages=3), True)
+    yield ("decode fp32", DA._paged_split_kernel,
+           {**base, "DOT_PREC": "ieee", "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
+            "BLOCK_X": 16, "SPLITS": 1},
+           {k: "*fp32" if v == BF else v for k, v in dec.items()},
+           dict(num_warps=4, num_stages=4), True)
     yield ("block K8", DA._paged_split_kernel,
            {**base, "NQ": 8, "NX": 8, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_X": 16, "SPLITS": 1}, dec,
            dict(num_warps=4, num_stages=3), True)
@@ -83,35 +91,69 @@ def cases():
                bt_ptr="*i32", o_ptr=BF)
     yield ("prefill", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 128}, pre,
            dict(num_warps=8, num_stages=2), True)
+    tma = {k: v for k, v in base.items() if k != "PAGE"}
+    tma.update(BLOCK_M=PT.BLOCK_M, BLOCK_N=PT.BLOCK_N, LOOP_STAGES=PT.LOOP_STAGES)
+    tptr = {k: v for k, v in pre.items() if k not in ("kc_ptr", "vc_ptr")}
+    tma_opts = dict(num_warps=PT.NUM_WARPS, num_stages=PT.NUM_STAGES)
+    pages = f"tensordesc<bf16[{PT.BLOCK_N // 16},1,16,128]>"
+    yield ("prefill tma page16 (page boxes)", PT._prefill_tma_kernel,
+           {**tma, "PAGE": 16, "KV_MODE": PT.PAGE_BOXES}, {**tptr, "k_src": pages, "v_src": pages},
+           tma_opts, True)
+    rows = f"tensordesc<bf16[{PT.BLOCK_N},128]>"
+    yield ("prefill tma page128 (row boxes)", PT._prefill_tma_kernel,
+           {**tma, "PAGE": 128, "PPB": 1, "KV_MODE": PT.ROW_BOXES},
+           {**tptr, "k_src": rows, "v_src": rows}, tma_opts, True)
     var = {**base, "BLOCK_M": 128, "BLOCK_N": 128, "LOOP_STAGES": 0, "WS": False,
            "PERSISTENT": False, "PRESCALE": False, "SPLIT": 1, "EXP": 0}
-    vptr = {k: v for k, v in pre.items() if k not in ("kc_ptr", "vc_ptr")}
     desc4 = "tensordesc<bf16[8,1,16,128]>"
     yield ("prefill variant tma page16", PV._prefill_variant_kernel,
-           {**var, "KV_MODE": 1, "NP": 8, "PG": 16}, {**vptr, "k_src": desc4, "v_src": desc4},
+           {**var, "KV_MODE": 1}, {**tptr, "k_src": desc4, "v_src": desc4},
            dict(num_warps=8, num_stages=2), True)
     desc2 = "tensordesc<bf16[128,128]>"
     yield ("prefill variant tma2d page128 persistent", PV._prefill_variant_kernel,
-           {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "NP": 1, "PG": 128, "PERSISTENT": True},
-           {**vptr, "k_src": desc2, "v_src": desc2}, dict(num_warps=8, num_stages=2), True)
-    r2best = {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "NP": 1, "PG": 128, "LOOP_STAGES": 3}
-    yield ("prefill variant tma2d loop_stages3 bf16x2 (round 4)", PV._prefill_variant_kernel,
-           {**r2best, "EXP": 1}, {**vptr, "k_src": desc2, "v_src": desc2},
-           dict(num_warps=8, num_stages=2), True)
+           {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "PERSISTENT": True},
+           {**tptr, "k_src": desc2, "v_src": desc2}, dict(num_warps=8, num_stages=2), True)
+    yield ("prefill variant tma2d loop_stages3 bf16x2", PV._prefill_variant_kernel,
+           {**var, "PAGE": 128, "PPB": 1, "KV_MODE": 2, "LOOP_STAGES": 3, "EXP": 1},
+           {**tptr, "k_src": desc2, "v_src": desc2}, dict(num_warps=8, num_stages=2), True)
     desc4h = "tensordesc<bf16[4,1,16,128]>"
-    yield ("prefill variant tma page16 halves w4 bn64 bf16x2 (round 4)",
-           PV._prefill_variant_kernel,
-           {**var, "KV_MODE": 1, "NP": 4, "PG": 16, "BLOCK_N": 64, "LOOP_STAGES": 3, "SPLIT": 2,
-            "EXP": 1}, {**vptr, "k_src": desc4h, "v_src": desc4h},
-           dict(num_warps=4, num_stages=2), True)
+    yield ("prefill variant tma page16 halves w4 bn64 bf16x2", PV._prefill_variant_kernel,
+           {**var, "KV_MODE": 1, "BLOCK_N": 64, "LOOP_STAGES": 3, "SPLIT": 2, "EXP": 1},
+           {**tptr, "k_src": desc4h, "v_src": desc4h}, dict(num_warps=4, num_stages=2), True)
     yield ("store_kv", SK._store_kv_kernel,
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
            dict(num_warps=4), False)
 
 
+# (pointer type, itemsize, dot precision) of the dtypes the prefill launcher serves.
+DTYPES = {"fp32": ("*fp32", 4, "ieee"), "bf16": (BF, 2, "tf32"), "fp16": ("*fp16", 2, "tf32")}
+
+
+def picked_prefill_cases():
+    """The pointer prefill at the tiles its launcher picks for sm_90, for the dtype and
+    head_dim pairs whose default tiles would not fit; each must fit, and within the
+    launcher's own shared-memory bound (else the pick could be wrong elsewhere)."""
+    for dt, d in (("fp32", 128), ("fp32", 256), ("bf16", 256), ("fp16", 64)):
+        ptr, itemsize, prec = DTYPES[dt]
+        tiles = PA.prefill_tiles(itemsize, d, 4, SMEM_LIMIT)
+        consts = dict(H_KV=8, G=4, G_PAD=4, D=d, BLOCK_D=d, PAGE=16, PPB=8, DOT_PREC=prec,
+                      UPCAST=False, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+        ptrs = dict(q_ptr=ptr, kc_ptr=ptr, vc_ptr=ptr, cu_ptr="*i32", lens_ptr="*i32",
+                    bt_ptr="*i32", o_ptr=ptr)
+        bound = PA.tile_shared_memory(tiles.block_m, tiles.block_n, d, tiles.num_stages, itemsize)
+        yield (f"prefill {dt} d{d} (picked tiles)", consts, ptrs, bound,
+               dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+
 def main() -> int:
     bad = 0
+    for name, consts, ptrs, bound, opts in picked_prefill_cases():
+        k = compile_sm90(PA._prefill_kernel, consts, ptrs, ("scale_log2",), **opts)
+        ok = k.metadata.shared <= min(SMEM_LIMIT, bound)
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B (bound {bound}), "
+              f"bm{consts['BLOCK_M']} bn{consts['BLOCK_N']} {opts}")
     for name, fn, consts, ptrs, opts, want_async in cases():
         k = compile_sm90(fn, consts, ptrs, ("scale_log2",), **opts)
         n_async = k.asm["ttgir"].count("copy_global_to_local")  # cp.async or TMA

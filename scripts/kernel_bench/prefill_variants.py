@@ -1,25 +1,22 @@
-"""Prefill attention variants aimed at SDPA parity on Hopper, selectable by the bench sweep.
+"""Experimental prefill variants for the bench sweep (not installed, not served).
 
-The default prefill kernel (prefill_attention.py) gathers K/V rows through pointers
-(cp.async) and reached 0.68x SDPA on the H200. The variants here keep its tiling (rows =
-query tokens x GQA group, heaviest causal tiles first, unmasked loop then diagonal loop)
-and change one thing each, so one GPU run can say which helps:
+The production kernels are pdflow.kernels' pointer kernel (prefill_attention.py) and
+TMA kernel (prefill_tma.py). The variant kernel here keeps their tiling (rows = query
+tokens x GQA group, heaviest causal tiles first, unmasked loop then diagonal loop),
+reuses the TMA kernel's loads, row and store helpers, and exposes one switch per idea
+so one GPU run can say which helps (measurements: bench/KERNEL_NOTES.md):
 
-- ``kv="tma"``: K/V tiles come through host tensor descriptors (TMA) over the cache
-  viewed as ``[num_blocks * pages_per_block, H_kv, page, D]``; a tile is one box of
-  ``BLOCK_N // page`` pages of one head (needs ``block_size % BLOCK_N == 0``).
-  ``kv="tma2d"`` (page == block only): rows of ``[num_blocks * H_kv * page, D]``, a
-  plain 2D box, so no reshape sits between the copy and the dot.
-- ``loop_stages``/``warp_specialize``: the K/V loops as ``tl.range`` with their own
+- ``kv="ptr" | "tma" | "tma2d"``: pointer loads, descriptor boxes of pages, or (page ==
+  block only) descriptor boxes of rows of ``[num_blocks * H_kv * page, D]``.
+- ``loop_stages``/``warp_specialize``: the unmasked K/V loop as ``tl.range`` with its own
   pipeline depth and (triton >= 3.4 API) warp specialisation.
 - ``prescale``: Q is multiplied by ``scale * log2(e)`` once, so each S tile goes
-  straight into exp2 (normalisation is deferred to the end in every variant).
+  straight into exp2.
 - ``persistent``: one program per SM walks the heavy-first tile list round robin.
-- ``exp="bf16x2"`` (round 4; +21% on round 3's experimental kernel, since removed): p from the packed
-  16-bit MUFU ex2, two exps per instruction, already in the PV dot's dtype.
-- ``split=2`` (round 4, from round 3's +16%): the ``BLOCK_M`` rows as two halves that
-  share every K/V tile, each with its own softmax state, so one half's softmax has
-  the other's wgmma to hide behind.
+- ``exp="bf16x2"``: p from the packed 16-bit MUFU ex2, two exps per instruction, already
+  in the PV dot's dtype.
+- ``split=2``: the ``BLOCK_M`` rows as two halves sharing every K/V tile (the TMA
+  kernel's choice).
 
 Every variant falls back to pointer loads where a descriptor cannot describe the tile.
 """
@@ -31,8 +28,7 @@ import inspect
 import torch
 import triton
 import triton.language as tl
-
-from ._common import (
+from pdflow.kernels._common import (
     LOG2E,
     dot_precision,
     exp2_as,
@@ -44,17 +40,18 @@ from ._common import (
     prefill_tile,
     sm_count,
 )
+from pdflow.kernels.prefill_tma import (
+    PAGE_BOXES,
+    ROW_BOXES,
+    kv_descriptors,
+    load_kv_tile,
+    load_rows,
+    store_rows,
+    tma_kv_mode,
+    tma_supported,
+)
 
 __all__ = ["prefill_attention_variant", "tma_supported", "variant_kv_mode", "ws_supported"]
-
-try:  # host-side descriptors: triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton
-    TensorDescriptor = None
-
-
-def tma_supported() -> bool:
-    return TensorDescriptor is not None
 
 
 def ws_supported() -> bool:
@@ -64,8 +61,7 @@ def ws_supported() -> bool:
 @triton.jit
 def _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
              H_KV: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr,
-             NP: tl.constexpr, PG: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr):
     """K and V of tokens n0 .. n0 + BLOCK_N of one head (all valid blocks of the table)."""
     if KV_MODE == 0:
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -74,16 +70,8 @@ def _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
         k = tl.load(k_src + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         v = tl.load(v_src + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     else:
-        blk = tl.load(bt_row + n0 // (PAGE * PPB))
-        off = n0 % (PAGE * PPB)
-        if KV_MODE == 1:
-            page = blk * PPB + off // PAGE
-            k = k_src.load([page, kvh, off % PAGE, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = v_src.load([page, kvh, off % PAGE, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            row = (blk * H_KV + kvh) * PAGE + off
-            k = k_src.load([row, 0])
-            v = v_src.load([row, 0])
+        k, v = load_kv_tile(k_src, v_src, bt_row, n0, kvh, H_KV, PAGE, PPB, BLOCK_N, BLOCK_D,
+                            KV_MODE)
     return k, v
 
 
@@ -129,28 +117,12 @@ def _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2, ok, pos, qp0, qp1,
 def _rows(q_ptr, q_start, q_len, base, mt, kvh, half, scale_log2, s_qt, s_qh,
           G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
           HM: tl.constexpr, TOK: tl.constexpr, PRESCALE: tl.constexpr):
-    """Rows ``half * HM ..`` of query tile ``mt``: q, query positions, token row, head
-    in the group, store mask."""
-    rows = half * HM + tl.arange(0, HM)
-    ti = mt * TOK + rows // G_PAD
-    hh = rows % G_PAD
-    d = tl.arange(0, BLOCK_D)
-    io_mask = ((ti < q_len) & (hh < G))[:, None] & (d < D)[None, :]
-    q_row = (q_start + ti).to(tl.int64)
-    q = tl.load(q_ptr + (q_row * s_qt + (kvh * G + hh) * s_qh)[:, None] + d[None, :],
-                mask=io_mask, other=0.0)
+    """The TMA kernel's row half, with q prescaled when PRESCALE."""
+    q, qpos, q_row, hh, io_mask = load_rows(q_ptr, q_start, q_len, base, mt, kvh, half, s_qt,
+                                            s_qh, G, G_PAD, D, BLOCK_D, HM, TOK)
     if PRESCALE:
         q = (q.to(tl.float32) * scale_log2).to(q.dtype)
-    return q, base + ti, q_row, hh, io_mask
-
-
-@triton.jit
-def _store(o_ptr, acc, l_i, q_row, hh, kvh, io_mask, s_ot, s_oh, G: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = q_row * s_ot + (kvh * G + hh) * s_oh
-    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    return q, qpos, q_row, hh, io_mask
 
 
 @triton.jit
@@ -159,9 +131,9 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
           H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
           BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-          NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
-          PRESCALE: tl.constexpr, SPLIT: tl.constexpr, EXP: tl.constexpr,
-          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+          LOOP_STAGES: tl.constexpr, WS: tl.constexpr, PRESCALE: tl.constexpr,
+          SPLIT: tl.constexpr, EXP: tl.constexpr, DOT_PREC: tl.constexpr,
+          UPCAST: tl.constexpr):
     TOK: tl.constexpr = BLOCK_M // G_PAD
     HM: tl.constexpr = BLOCK_M // SPLIT
     mt, b, kvh, q_start, q_len, base, full_end, diag_end = prefill_tile(
@@ -187,21 +159,21 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
     if LOOP_STAGES == 0:
         for n0 in range(0, full_end, BLOCK_N):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
-                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE)
             m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
                                              cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
                                              EXP, DOT_PREC, UPCAST)
     elif WS:
         for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=True):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
-                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE)
             m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
                                              cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
                                              EXP, DOT_PREC, UPCAST)
     else:
         for n0 in tl.range(0, full_end, BLOCK_N, num_stages=LOOP_STAGES):
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
-                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE)
             m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2,
                                              cols >= 0, cols, qp0, qp1, False, SPLIT, PRESCALE,
                                              EXP, DOT_PREC, UPCAST)
@@ -215,14 +187,14 @@ def _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2
             v = tl.load(v_src + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
         else:
             k, v = _load_kv(k_src, v_src, bt_row, n0, kvh, d, d_ok, s_cb, s_cp, s_ch, s_ct,
-                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE, NP, PG)
+                            H_KV, PAGE, PPB, BLOCK_N, BLOCK_D, KV_MODE)
         m0, l0, a0, m1, l1, a1 = _halves(q0, q1, k, v, m0, l0, a0, m1, l1, a1, scale_log2, ok,
                                          pos, qp0, qp1, True, SPLIT, PRESCALE, EXP, DOT_PREC,
                                          UPCAST)
 
-    _store(o_ptr, a0, l0, r0, hh0, kvh, io0, s_ot, s_oh, G, BLOCK_D)
+    store_rows(o_ptr, a0, l0, r0, hh0, kvh, io0, s_ot, s_oh, G, BLOCK_D)
     if SPLIT == 2:
-        _store(o_ptr, a1, l1, r1, hh1, kvh, io1, s_ot, s_oh, G, BLOCK_D)
+        store_rows(o_ptr, a1, l1, r1, hh1, kvh, io1, s_ot, s_oh, G, BLOCK_D)
 
 
 @triton.jit
@@ -233,8 +205,8 @@ def _prefill_variant_kernel(
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-    NP: tl.constexpr, PG: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
-    PERSISTENT: tl.constexpr, PRESCALE: tl.constexpr, SPLIT: tl.constexpr, EXP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, WS: tl.constexpr, PERSISTENT: tl.constexpr,
+    PRESCALE: tl.constexpr, SPLIT: tl.constexpr, EXP: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -242,42 +214,22 @@ def _prefill_variant_kernel(
         for tile in range(pid, n_m * n_bh, n_prog):
             _tile(tile, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
                   n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
-                  H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
+                  H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE,
                   LOOP_STAGES, WS, PRESCALE, SPLIT, EXP, DOT_PREC, UPCAST)
     else:
         _tile(pid, q_ptr, k_src, v_src, cu_ptr, lens_ptr, bt_ptr, o_ptr, scale_log2,
               n_bh, n_m, s_qt, s_qh, s_ot, s_oh, s_cb, s_cp, s_ch, s_ct, s_bt,
-              H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE, NP, PG,
+              H_KV, G, G_PAD, D, BLOCK_D, PAGE, PPB, BLOCK_M, BLOCK_N, KV_MODE,
               LOOP_STAGES, WS, PRESCALE, SPLIT, EXP, DOT_PREC, UPCAST)
 
 
 def _kv_mode(k_cache, v_cache, kv: str, block_n: int) -> int:
-    """0 pointer loads, 1 ``tma`` page boxes, 2 ``tma2d`` row boxes: descriptors only
-    where one box is one K/V tile of contiguous caches."""
-    nb, ppb, h_kv, page, d = k_cache.shape
-    fits = (kv != "ptr" and TensorDescriptor is not None and (page * ppb) % block_n == 0
-            and d == triton.next_power_of_2(d) and k_cache.is_contiguous()
-            and v_cache.is_contiguous())
-    if not fits:
+    """0 pointer loads, PAGE_BOXES for ``tma``, ROW_BOXES for ``tma2d`` where the TMA
+    kernel would use row boxes (one page per block)."""
+    if kv == "ptr":
         return 0
-    return 2 if kv == "tma2d" and ppb == 1 else 1
-
-
-def _kv_sources(k_cache, v_cache, kv: str, block_n: int):
-    """(mode, k source, v source, NP, PG): descriptors when the tile is one box."""
-    nb, ppb, h_kv, page, d = k_cache.shape
-    np_, pg = max(1, block_n // page), min(page, block_n)
-    mode = _kv_mode(k_cache, v_cache, kv, block_n)
-    if mode == 2:
-        shape = [nb * h_kv * page, d]
-        mk = lambda c: TensorDescriptor(c, shape, [d, 1], [block_n, d])  # noqa: E731
-    elif mode == 1:
-        shape = [nb * ppb, h_kv, page, d]
-        strides = [h_kv * page * d, page * d, d, 1]
-        mk = lambda c: TensorDescriptor(c, shape, strides, [np_, 1, pg, d])  # noqa: E731
-    else:
-        return 0, k_cache, v_cache, np_, pg
-    return mode, mk(k_cache), mk(v_cache), np_, pg
+    mode = tma_kv_mode(k_cache, v_cache, block_n)
+    return PAGE_BOXES if mode == ROW_BOXES and kv == "tma" else mode
 
 
 def prefill_attention_variant(
@@ -300,7 +252,8 @@ def prefill_attention_variant(
         return out
     upcast = interpreting(q)
     block_m = max(block_m, g_pad * split, 16 * split)
-    mode, k_src, v_src, np_, pg = _kv_sources(k_cache, v_cache, kv, block_n)
+    mode = _kv_mode(k_cache, v_cache, kv, block_n)
+    k_src, v_src = kv_descriptors(k_cache, v_cache, block_n, mode) if mode else (k_cache, v_cache)
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     tiles = n_m * bsz * h_kv
     n_prog = min(tiles, sm_count(q.device, cpu=4)) if persistent else tiles
@@ -310,7 +263,7 @@ def prefill_attention_variant(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], block_tables.stride(0),
         H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n, KV_MODE=mode, NP=np_, PG=pg,
+        PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n, KV_MODE=mode,
         LOOP_STAGES=loop_stages, WS=bool(warp_specialize), PERSISTENT=bool(persistent),
         PRESCALE=bool(prescale), SPLIT=split, EXP=exp_mode(exp, q.dtype),
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
