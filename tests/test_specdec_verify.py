@@ -3,6 +3,7 @@ target's distribution unchanged (checked statistically, with wrong versions caug
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from pdflow.engine.sampler import sampling_probs
 from pdflow.parallel.messages import SamplingSpec
-from pdflow.spec_decode import verify as V
 from pdflow.spec_decode.sampling import SamplingBatch, draft_tokens, filtered_probs, sample_with
+
+# The module (the package exports its ``verify`` function under the same name).
+V = importlib.import_module("pdflow.spec_decode.verify")
 
 
 def _logits_with_argmax(argmax: list[list[int]], vocab: int, gen) -> torch.Tensor:
