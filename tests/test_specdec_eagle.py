@@ -11,6 +11,7 @@ from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import KVCacheBinding
 from pdflow.graph import PRODUCER, Code
 from pdflow.spec_decode import (
+    ContextBatch,
     ContextGap,
     Eagle3UnderPP,
     ProposeBatch,
@@ -134,3 +135,40 @@ def test_producer_duties_follow_the_graph(kind, proposes):
     assert producer.write_context_kv and producer.commit and not producer.keep_drafts
     consumer = duties(graph.drafter, "decode")
     assert consumer.propose and consumer.keep_drafts
+
+
+def test_one_batched_write_equals_writes_per_request(chain):
+    """Rows of several requests in one forward: each request's last row pairs with its
+    own next token, never with the next request's first token."""
+    _, cfg, _, drafter, _ = chain
+    gen = torch.Generator().manual_seed(8)
+    lens, starts, tables = [9, 14], [0, 30], [[4, 7], [10, 12]]
+    feats = [torch.randn(n, drafter.config.feature_size, generator=gen) for n in lens]
+    ids = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
+    nexts = [5, -1]
+
+    def batch(members):
+        return ContextBatch(
+            seq_ids=[f"b{i}" for i in members], cu_seqlens=[0, *torch.tensor([lens[i] for i in members]).cumsum(0).tolist()],
+            start_positions=[starts[i] for i in members], features=torch.cat([feats[i] for i in members]),
+            positions=torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in members]),
+            slot_mapping=torch.cat([slots(tables[i], starts[i], starts[i] + lens[i]) for i in members]),
+            token_ids=torch.cat([ids[i] for i in members]), next_token_ids=[nexts[i] for i in members],
+        )
+
+    one = drafter.caches
+    with torch.no_grad():
+        for i in (0, 1):
+            drafter.adopt(f"b{i}", starts[i])
+        drafter.write_context_kv(batch([0, 1]))
+        apart = KVCacheBinding(list(drafter.units.values()), 24, torch.device("cpu"))
+        drafter.bind_cache(apart.caches, get_backend("torch"))
+        drafter.release(["b0", "b1"])
+        for i in (0, 1):
+            drafter.adopt(f"b{i}", starts[i])
+            drafter.write_context_kv(batch([i]))
+        drafter.bind_cache(one, get_backend("torch"))
+    used = torch.cat([slots(tables[0], 0, 9), slots(tables[1], 30, 43)])
+    for key, cache in one.items():
+        torch.testing.assert_close(_gather(apart.caches[key], used), _gather(cache, used))
+    assert drafter.ledger.written["b0"] == 9 and drafter.ledger.written["b1"] == 43
