@@ -73,8 +73,10 @@ class DSparkDrafter(Drafter):
             q, kb, vb = layer.qkv(x, positions, self.rotary)
             k_cache, v_cache = self._cache(row)
             attn = self.backend.block_attention(
-                q.view(b, k, a.num_heads, a.head_dim), kb.view(b, k, a.num_kv_heads, a.head_dim),
-                vb.view(b, k, a.num_kv_heads, a.head_dim), k_cache, v_cache, context_lens,
+                q.view(b, k, a.num_heads, a.head_dim),
+                kb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # the kernel wants one
+                vb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # stride for both
+                k_cache, v_cache, context_lens,
                 batch.block_tables, a.scale,
             )
             x = layer.finish(x, attn.reshape(b * k, a.num_heads, a.head_dim))
