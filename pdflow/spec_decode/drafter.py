@@ -1,15 +1,17 @@
 """The drafter interface a worker calls, and who calls what (producer vs consumer).
 
-Per step, on the rank(s) that hold the drafter (the last stage):
+Each step, on the rank(s) that hold the drafter (the last stage; every TP rank of it):
 
-1. after every target forward (each prefill chunk, each verify step, also on a
-   producer): ``write_context_kv(ContextBatch)`` with the step's rows and their
+1. after the target forward (a prefill chunk, or a verify of [anchor, drafts]; on a
+   producer too): ``write_context_kv(ContextBatch)`` with the step's rows and their
    features (the relayed taps, or the last hidden state for eagle);
-2. on the consumer, after sampling: ``propose(ProposeBatch)`` -> ``Proposal`` (k drafts
-   per request, and the draft distribution when sampling);
-3. the target scores anchor + drafts in one forward (then 1 again), ``verify`` decides;
-4. ``commit(seq_ids, num_tokens)``: tokens [0, num_tokens) are final; entries written
-   for rejected drafts are dropped (the slots are simply rewritten later).
+2. ``verify`` the drafts against the target's k+1 logits per request (or sample as
+   usual when there were none);
+3. ``commit(seq_ids, num_tokens)``: tokens [0, num_tokens) are final (the chunk's end,
+   or anchor position + accepted + 1); rows written for rejected drafts are dropped
+   (their slots are rewritten by the next step);
+4. for the next step: ``propose(ProposeBatch)`` -> ``Proposal``, k drafts from the last
+   emitted token (the anchor), which the next target forward scores with it.
 
 A producer never keeps drafts: with a ``context_kv_only`` drafter (dspark) it skips
 propose entirely; with eagle it proposes once after its final chunk only because that
