@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,7 +51,12 @@ def ops() -> FusedOps:
     """The kernels, imported on first use (triton costs nothing until a fused pass). With
     no CUDA device they can only run interpreted, which triton decides at decoration."""
     if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "fused kernels without CUDA run under TRITON_INTERPRET=1, which must be set "
+                "before triton is imported; set it in the environment, or leave "
+                f"{ENV} at auto/off on CPU")
+        os.environ["TRITON_INTERPRET"] = "1"
     from pdflow.kernels.qk_rope import qk_rope_
     from pdflow.kernels.rms_norm import rms_norm
     from pdflow.kernels.silu_and_mul import silu_and_mul
