@@ -1,53 +1,86 @@
 #!/usr/bin/env python
-"""Engine vs transformers.generate: same checkpoint, same prompts, greedy, fixed output
-length (EOS ignored), in one run. Prints output tokens/s for both and their ratio.
+"""Engine vs transformers.generate vs the roofline: same random-init checkpoint, same
+prompts, greedy, fixed output length (EOS ignored), page 128, prefix caching off.
 
-    python scripts/bench_engine.py                      # random-init Llama, CPU, batch 16
-    python scripts/bench_engine.py --model PATH --device cuda --dtype bfloat16
+Prints, per shape: transformers tok/s, pdflow tok/s (fused kernels on and/or off) and
+their ratio, the roofline of the run (prefill FLOPs at a GEMM rate and each decode step's
+weight + live-KV bytes at an HBM copy rate, both measured in this run) and pdflow's share
+of it, start-up, first vs second full run, time to the first tokens and the decode step.
+Each row fails on its own (the table says why); the table comes last.
+
+    python scripts/bench_engine.py --shape qwen3-0.6b,llama3-8b --fused both   # H200, ~3 min
+    python scripts/bench_engine.py --shape tiny --device cpu                     # CPU
+    python scripts/bench_engine.py --model PATH --batch 8 --prompt-len 256 --output-len 64
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
+import os
 import platform
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # fused kernels on CPU run interpreted: set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-def parse_args() -> argparse.Namespace:
+# name: (family, HF config fields, (batch, prompt_len, output_len)) for the named shapes.
+SHAPES = {
+    "qwen3-0.6b": ("qwen3", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, max_position_embeddings=40960), (64, 512, 256)),
+    "llama3-8b": ("llama", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+        rope_theta=500_000.0, max_position_embeddings=8192), (32, 512, 128)),
+    # The shipped model's geometry (conf/model/tiny): the CPU stand-in.
+    "tiny": ("llama", dict(
+        hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, intermediate_size=768, vocab_size=128, tie_word_embeddings=False,
+        max_position_embeddings=1024), (16, 96, 64)),
+}
+FUSED_ENV = "PDFLOW_FUSED_KERNELS"  # pdflow.model.fused.ENV, read when a model is built
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF checkpoint folder; default: a random Llama in a temp dir")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--page-tokens", type=int, default=16)
-    p.add_argument("--attention-backend", default="auto", help="auto: triton on cuda, torch on cpu")
+    p.add_argument("--shape", default="tiny", help=f"comma-separated, of {sorted(SHAPES)}")
+    p.add_argument("--model", help="HF checkpoint folder instead of a named shape")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch", type=int, help="default: the shape's workload")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--page-tokens", type=int, default=128)
+    p.add_argument("--attention-backend", help="default: triton on CUDA, torch on CPU")
+    p.add_argument("--fused", default="auto", choices=["auto", "on", "off", "both"],
+                   help="pdflow's fused kernels (both: one pdflow row each, on then off)")
+    p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    # Geometry of the random checkpoint (ignored with --model); default: conf/model/tiny,
-    # the model pdflow ships and serves on CPU.
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=128)
-    return p.parse_args()
-
-
-def make_prompts(args, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(args.seed)
-    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=gen)
-    return [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in lens]
+    p.add_argument("--out", help="also write the final table (markdown) here")
+    args = p.parse_args(argv)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.attention_backend is None:
+        args.attention_backend = "triton" if args.device.startswith("cuda") else "torch"
+    shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad and not args.model:
+        p.error(f"unknown shape(s) {bad}; choose from {sorted(SHAPES)} or pass --model")
+    args.shapes = ["model"] if args.model else shapes
+    return args
 
 
 def sync(device: str) -> None:
@@ -55,109 +88,292 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_transformers(folder: Path, prompts, args) -> tuple[float, list[list[int]]]:
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def measure_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s counting read + write) on this device, now."""
+    cuda = device.startswith("cuda")
+    n, copy_bytes, reps = (8192, 1 << 30, 10) if cuda else (512, 64 << 20, 3)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    flops = 2.0 * n**3 / best(lambda: a @ b)
+    bandwidth = 2.0 * copy_bytes / best(lambda: dst.copy_(src))
+    return flops, bandwidth
+
+
+def write_checkpoint(folder: Path, shape: str, device: str, dtype: torch.dtype, seed: int):
+    """A random-init HF model of the shape, built on ``device`` in ``dtype`` and saved with
+    ``save_pretrained``; returned too, to serve as the transformers baseline."""
     import transformers
 
-    dtype = getattr(torch, args.dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    model.to(args.device).eval()
+    family, fields, _ = SHAPES[shape]
+    common = dict(fields, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, prompt_len), generator=gen).tolist()
+
+
+def run_transformers(model, prompts, output_len: int, device: str) -> dict:
     model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding, as batched generation needs
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    ids, mask = ids.to(args.device), mask.to(args.device)
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
 
     def generate(n: int):
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                              do_sample=False, pad_token_id=0)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              max_new_tokens=n, do_sample=False, pad_token_id=0)
 
     with torch.inference_mode():
         generate(2)  # warm-up
-        sync(args.device)
+        sync(device)
         start = time.perf_counter()
-        out = generate(args.output_len)
-        sync(args.device)
-    return time.perf_counter() - start, out[:, width:].tolist()
+        out = generate(output_len)
+        sync(device)
+    seconds = time.perf_counter() - start
+    return dict(seconds=seconds, tokens=out[:, ids.shape[1]:].tolist())
 
 
-def run_engine(folder: Path, prompts, args) -> tuple[float, list[list[int]], int]:
+def timed_run(llm, prompts, params, device: str) -> dict:
+    """One full batch through the public API, timing when each output position first
+    arrives: position 0 comes from the prefill, each later one from a decode step."""
+    sync(device)
+    start = time.perf_counter()
+    ids = llm.submit(prompts, params)
+    arrival: dict[int, float] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    for out in llm.run():
+        arrival.setdefault(out.index, time.perf_counter())
+        tokens[out.request_id].append(out.token_id)
+    sync(device)
+    seconds = time.perf_counter() - start
+    times = [arrival[i] for i in sorted(arrival)]
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    return dict(seconds=seconds, prefill_s=times[0] - start if times else float("nan"),
+                step_s=statistics.median(steps) if steps else float("nan"),
+                tokens=[tokens[rid] for rid in ids])
+
+
+def run_pdflow(folder: Path, prompts, args, fused: str) -> dict:
     from pdflow import LLM, SamplingParams
     from pdflow.spec import ParallelSpec
 
-    need = sum(-(-(len(p) + args.output_len) // args.block_size) for p in prompts)
+    os.environ[FUSED_ENV] = fused
+    longest = max(map(len, prompts)) + args.output_len
+    blocks = len(prompts) * -(-longest // args.block_size) + 8
+    cuda = args.device.startswith("cuda")
+    gib = torch.cuda.get_device_properties(0).total_memory / (1 << 30) if cuda else 4.0
     spec = ParallelSpec(
-        block_size=args.block_size, kv_page_tokens=args.page_tokens, num_kv_blocks=need + 8,
-        max_num_batched_tokens=max(2048, sum(map(len, prompts))), max_num_seqs=args.batch,
-        device=args.device, attention_backend=args.attention_backend,
-        enable_prefix_caching=False,  # random prompts share nothing; keep the runs alike
+        block_size=args.block_size, kv_page_tokens=args.page_tokens, num_kv_blocks=blocks,
+        max_num_batched_tokens=max(8192, sum(map(len, prompts))), max_num_seqs=len(prompts),
+        device=args.device, attention_backend=args.attention_backend, memory=0.9,
+        device_memory_gib=gib, enable_prefix_caching=False,
     )
-    llm = LLM(str(folder), spec, dtype=args.dtype)
-    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate(prompts, warm)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    sync(args.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(args.device)
-    return time.perf_counter() - start, [o.token_ids for o in outs], llm.num_kv_blocks
+    llm = LLM(str(folder), spec, dtype=args.dtype, max_model_len=longest + args.block_size)
+    startup = time.perf_counter() - start
+    try:
+        model = getattr(llm.engine, "model", None)  # in-process runs only: a report, not a need
+        fused_on = None if model is None else model.uses_fused_kernels(
+            torch.empty(0, device=args.device))
+        first = timed_run(llm, prompts, params, args.device)
+        second = timed_run(llm, prompts, params, args.device)
+    finally:
+        llm.shutdown()
+        del llm
+        free_memory(args.device)
+    return dict(second, startup_s=startup, first_s=first["seconds"], fused_on=fused_on)
+
+
+def matching(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    return f"{same}/{len(a)}"
+
+
+def soft(label: str, fn, failures: dict):
+    """Run one measurement; on any error record it and carry on with the others."""
+    try:
+        return fn()
+    except Exception as exc:  # a row fails, the run goes on
+        traceback.print_exc()
+        failures[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        return None
+
+
+def bench_shape(shape: str, args, rates, failures: dict) -> list[dict]:
+    from pdflow.bench.roofline import Workload, roofline
+    from pdflow.model.config import DecoderConfig
+
+    dtype = getattr(torch, args.dtype)
+    defaults = SHAPES[shape][2] if shape in SHAPES else (16, 128, 64)
+    batch = args.batch or defaults[0]
+    prompt_len, output_len = args.prompt_len or defaults[1], args.output_len or defaults[2]
+    args.output_len = output_len
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            folder, hf_model = Path(args.model), None
+        else:
+            folder = Path(tmp)
+            hf_model = soft(f"{shape} checkpoint",
+                            lambda: write_checkpoint(folder, shape, args.device, dtype, args.seed),
+                            failures)
+            if hf_model is None:
+                return [dict(shape=shape, run="checkpoint", error=failures[f"{shape} checkpoint"])]
+        cfg = DecoderConfig.from_file(folder)
+        prompts = make_prompts(batch, prompt_len, cfg.vocab_size, args.seed)
+        print(f"[{shape}] {cfg.architecture} layers={cfg.num_layers} hidden={cfg.hidden_size} "
+              f"heads={cfg.num_heads}/{cfg.num_kv_heads} d={cfg.head_dim} vocab={cfg.vocab_size} "
+              f"{args.dtype}; batch {batch}, prompt {prompt_len}, output {output_len}", flush=True)
+        hf = None
+        if not args.skip_transformers:
+            def transformers_row():
+                import transformers
+
+                model = hf_model or transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=dtype).to(args.device)
+                return run_transformers(model, prompts, output_len, args.device)
+
+            hf = soft(f"{shape} transformers", transformers_row, failures)
+        hf_model = None
+        free_memory(args.device)
+        generated = batch * output_len
+        if hf is not None:
+            rows.append(dict(shape=shape, run="transformers", tok_s=generated / hf["seconds"],
+                             second_s=hf["seconds"]))
+        else:
+            rows.append(dict(shape=shape, run="transformers",
+                             error=failures.get(f"{shape} transformers", "skipped")))
+        roof = None
+        if rates is not None:
+            work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len,
+                            dtype_bytes=dtype.itemsize)
+            roof = roofline(cfg, work, flops_per_s=rates[0], bytes_per_s=rates[1])
+            rows.append(dict(shape=shape, run="roofline", tok_s=generated / roof.total_s,
+                             second_s=roof.total_s, prefill_s=roof.prefill_s,
+                             step_s=roof.step_s))
+        settings = ["on", "off"] if args.fused == "both" else [args.fused]
+        first_pdflow = None
+        for setting in settings:
+            label = f"{shape} pdflow fused={setting}"
+            res = soft(label, lambda s=setting: run_pdflow(folder, prompts, args, s), failures)
+            if res is None:
+                rows.append(dict(shape=shape, run=f"pdflow fused={setting}", error=failures[label]))
+                continue
+            row = dict(shape=shape, run=f"pdflow fused={setting}", tok_s=generated / res["seconds"],
+                       second_s=res["seconds"], first_s=res["first_s"], startup_s=res["startup_s"],
+                       prefill_s=res["prefill_s"], step_s=res["step_s"], fused_on=res["fused_on"])
+            same = []
+            if hf is not None:
+                row["vs_hf"] = row["tok_s"] / rows[0]["tok_s"]
+                same.append(f"{matching(res['tokens'], hf['tokens'])} transformers")
+            if first_pdflow is not None:
+                same.append(f"{matching(res['tokens'], first_pdflow[1])} {first_pdflow[0]}")
+            row["same"] = "; ".join(same) or "-"
+            if roof is not None:
+                row["roof_share"] = row["tok_s"] * roof.total_s / generated
+            first_pdflow = first_pdflow or (f"fused={setting}", res["tokens"])
+            rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| shape | run | tok/s | x transformers | roofline share | start-up s | "
+            "first run s | second run s | first/second | prefill ms | decode step ms | "
+            "same tokens |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['run']} | FAILED: {r['error']} |" + " |" * 9)
+            continue
+        ratio = r["first_s"] / r["second_s"] if r.get("first_s") else None
+        run = r["run"]
+        if r.get("fused_on") is not None and run.endswith("auto"):
+            run += f" ({'on' if r['fused_on'] else 'off'})"
+        lines.append(
+            f"| {r['shape']} | {run} | {_fmt(r.get('tok_s'), ',.0f' if r['tok_s'] >= 100 else '.3g')} | "
+            f"{_fmt(r.get('vs_hf'), '.2f')} | {_fmt(r.get('roof_share'), '.1%')} | "
+            f"{_fmt(r.get('startup_s'), '.2f')} | {_fmt(r.get('first_s'), '.2f')} | "
+            f"{_fmt(r.get('second_s'), '.2f')} | {_fmt(ratio, '.2f')} | "
+            f"{_fmt(r.get('prefill_s'), '.1f', 1e3)} | {_fmt(r.get('step_s'), '.2f', 1e3)} | "
+            f"{r.get('same', '-')} |")
+    return "\n".join(lines)
 
 
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def main() -> None:
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            folder = Path(args.model)
-        else:
-            from pdflow.model.hf_checkpoint import write_random_checkpoint
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    failures: dict[str, str] = {}
+    dtype = getattr(torch, args.dtype)
+    rates = soft("rates", lambda: measure_rates(args.device, dtype), failures)
+    rows: list[dict] = []
+    for shape in args.shapes:
+        rows += bench_shape(shape, args, rates, failures)
+        free_memory(args.device)
+    import transformers
+    import triton
 
-            folder = write_random_checkpoint(
-                Path(tmp), family="llama", layers=args.layers, hidden=args.hidden,
-                heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                intermediate=args.intermediate, vocab=args.vocab, seed=args.seed,
-                tokenizer=False,
-            )
-        from pdflow.model.config import DecoderConfig
-        from pdflow.spec.attention import resolve_attention_backend
-
-        cfg = DecoderConfig.from_file(folder)
-        prompts = make_prompts(args, cfg.vocab_size)
-        hf_s, hf_tokens = run_transformers(folder, prompts, args)
-        ours_s, our_tokens, blocks = run_engine(folder, prompts, args)
-
-    generated = args.batch * args.output_len
-    hf_tps, ours_tps = generated / hf_s, generated / ours_s
-    same = sum(a == b for a, b in zip(hf_tokens, our_tokens, strict=True))
-    print(f"model: {cfg.architecture} layers={cfg.num_layers} hidden={cfg.hidden_size} "
-          f"heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} {args.dtype}")
-    print(f"batch={args.batch} prompt={args.min_prompt}..{args.max_prompt} "
-          f"output={args.output_len} device={args.device} threads={torch.get_num_threads()} "
-          f"kv_blocks={blocks} page={args.page_tokens}/{args.block_size}")
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"commit {git_commit()}")
-    backend = resolve_attention_backend(args.attention_backend, args.device)
-    if args.device == "cpu" and backend == "torch" and args.dtype == "float32":
-        from pdflow.attention import cpu_decode  # built by the run above when it can be
-
-        print(f"fused CPU decode op: {'on' if cpu_decode.op() is not None else 'off (gather)'}")
-    print(f"transformers.generate: {hf_tps:9.1f} tok/s ({hf_s:.2f} s)")
-    print(f"pdflow engine:         {ours_tps:9.1f} tok/s ({ours_s:.2f} s)")
-    print(f"ratio (pdflow / transformers): {ours_tps / hf_tps:.2f}x")
-    print(f"identical greedy sequences: {same}/{args.batch} "
-          "(batched transformers pads, so late tokens may differ by fp noise)")
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else (
+        platform.processor() or platform.machine())
+    rate_text = ("rates: failed" if rates is None else
+                 f"measured: GEMM {rates[0] / 1e12:.3g} TFLOP/s ({args.dtype}), "
+                 f"copy {rates[1] / 1e12:.3g} TB/s (read + write)")
+    header = (f"bench_engine on {device}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"transformers {transformers.__version__}, commit {git_commit()}; backend "
+              f"{args.attention_backend}, page {args.page_tokens}/{args.block_size}, "
+              f"greedy, ignore_eos, prefix caching off\n{rate_text}")
+    text = header + "\n\n" + table(rows)
+    if failures:
+        text += "\n\nfailed: " + "; ".join(f"{k}: {v}" for k, v in failures.items())
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print("\n" + text, flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

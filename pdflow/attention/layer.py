@@ -22,12 +22,14 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = None
 
-    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]."""
+    def forward(self, q, k, v, meta: AttentionMetadata, *, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]. ``kv_stored``: the caller
+        already wrote this step's K/V to the bound caches (the model's fused RoPE kernel)."""
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer} has no KV cache bound (KVCacheBinding.bind)")
         b = self.backend
-        b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not kv_stored:
+            b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.decode_only:
             return b.decode_attention(
                 q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, self.scale

@@ -12,6 +12,7 @@ from torch import nn
 
 from pdflow.attention.layer import PagedAttention
 from pdflow.attention.metadata import AttentionMetadata
+from pdflow.model import fused as fusion
 from pdflow.model.config import DecoderConfig
 from pdflow.model.layers import (
     MergedColumnParallelLinear,
@@ -44,9 +45,17 @@ class Attention(nn.Module):
             head_dim=d, scale=d**-0.5,
         )
 
-    def forward(self, x, positions, meta: AttentionMetadata):
+    def forward(self, x, positions, meta: AttentionMetadata, fused: bool = False):
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
+        if fused:  # one kernel: qk-norm, RoPE in place, and the KV write when bound
+            bound = self.attn.k_cache is not None
+            kv = (self.attn.k_cache, self.attn.v_cache, meta.slot_mapping) if bound else None
+            q, k, v = self.rope.rotate_qkv_(
+                positions, qkv, hq, hkv, q_norm=self.q_norm, k_norm=self.k_norm, kv_cache=kv
+            )
+            out = self.attn(q, k, v, meta, kv_stored=bound)
+            return self.o_proj(out.reshape(t, self.num_heads * d))
         if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them together
             qk = self.rope.forward_joint(positions, qkv[:, : (hq + hkv) * d].view(t, -1, d))
             q, k = qk.split([hq, hkv], dim=1)
@@ -70,8 +79,11 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, tp_rank, tp_size)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x, fused: bool = False):
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return self.down_proj(fusion.ops().silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -83,9 +95,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp_rank, tp_size)
 
-    def forward(self, x, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, meta, fused: bool = False):
+        """``x`` is the last branch's output and ``residual`` the stream before it (None
+        at a stage's first layer: x is the stream). Returns the same pair for the next
+        layer; their sum is the residual stream after this layer."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, fused=fused)
+        else:
+            h, residual = self.input_layernorm(x, residual, fused=fused)
+        h = self.self_attn(h, positions, meta, fused)
+        h, residual = self.post_attention_layernorm(h, residual, fused=fused)
+        return self.mlp(h, fused), residual
 
 
 class DecoderBody(nn.Module):
@@ -122,6 +142,8 @@ class CausalLM(nn.Module):
         if not 0 <= self.layer_range.start < self.layer_range.stop <= cfg.num_layers:
             raise ValueError(f"layer_range {self.layer_range} outside 0..{cfg.num_layers}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Fused Triton kernels: True/False, or None for auto (CUDA + triton backend).
+        self.fused_kernels: bool | None = fusion.setting_from_env()
         self.model = DecoderBody(cfg, self.layer_range, tp_rank, tp_size)
         self.lm_head = (
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
@@ -132,6 +154,11 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def uses_fused_kernels(self, x: torch.Tensor) -> bool:
+        """Whether a forward pass on ``x`` runs the fused kernels (``pdflow.model.fused``)."""
+        first = next(iter(self.model.layers.values())).self_attn.attn
+        return fusion.enabled(self.fused_kernels, x, first.backend)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """Token ids [T] on the first stage, hidden states [T, hidden] on later ones.
@@ -145,15 +172,18 @@ class CausalLM(nn.Module):
         """Also return the residual stream after each layer in ``taps`` (global ids held by
         this stage, in order): what a drafter reads from the target."""
         x = self.model.embed_tokens(inputs) if self.model.is_first else inputs
-        captured = []
+        fused = self.uses_fused_kernels(x)
+        residual, captured = None, []
         for index, layer in self.model.layers.items():
-            x = layer(x, positions, meta)
+            x, residual = layer(x, residual, positions, meta, fused)
             if int(index) in taps:
-                captured.append(x)
+                captured.append(x + residual)
         if len(captured) != len(taps):
             held = list(self.model.layers)
             raise ValueError(f"taps {list(taps)} are not all among this stage's layers {held}")
-        return (self.model.norm(x) if self.model.is_last else x), captured
+        if self.model.is_last:
+            return self.model.norm(x, residual, fused=fused)[0], captured
+        return x + residual, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdflow.graph.heads import heads_divisible, rank_heads
+from pdflow.model import fused as fusion
 
 
 def _divide(total: int, parts: int) -> int:
@@ -39,14 +40,26 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype."""
+    """RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype.
+
+    Given the residual stream, it adds it first and returns ``(norm(x + residual),
+    x + residual)`` (vLLM's pattern: one fused kernel for add and norm on GPU)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                fused: bool = False):
+        if fused:
+            return fusion.ops().rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One call (composed in C++, no Python between the ops); same bits in fp32 (tested).

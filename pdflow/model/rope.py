@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from pdflow.model import fused as fusion
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Per-pair frequencies (fp32), following the HF definitions of each rope_type."""
@@ -59,6 +61,23 @@ class RotaryEmbedding(nn.Module):
         output) rotated in one pass: half the elementwise calls of ``forward``, same values."""
         cos, sin = self._table(positions)
         return _rotate(qk, cos, sin)
+
+    def rotate_qkv_(
+        self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+        *, q_norm=None, k_norm=None, kv_cache: tuple | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused path: q and k heads of ``qkv [T, (H_q + 2 H_kv) * D]`` normalised
+        (``q_norm``/``k_norm``: RMSNorm modules, Qwen3) and rotated in place by one
+        kernel, which also stores k and v when given ``kv_cache = (k_cache, v_cache,
+        slot_mapping)``. Returns (q, k, v) as ``[T, H, D]`` views of qkv."""
+        k_cache, v_cache, slots = kv_cache if kv_cache is not None else (None, None, None)
+        return fusion.ops().qk_rope_(
+            qkv, positions, self.cos, self.sin, num_q_heads, num_kv_heads, 2 * self.cos.shape[1],
+            q_weight=None if q_norm is None else q_norm.weight,
+            k_weight=None if k_norm is None else k_norm.weight,
+            eps=1e-6 if q_norm is None else q_norm.eps,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+        )
 
     def _table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows at ``positions``, [T, 1, D/2]. Every layer of a step passes the same
