@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from pdflow.engine.sampler import sampling_probs
+
 from pdflow.parallel.messages import SamplingSpec
 from pdflow.spec_decode.sampling import SamplingBatch, draft_tokens, filtered_probs, sample_with
 
