@@ -8,7 +8,9 @@ from pdflow.graph import RunGraph, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
 from pdflow.parallel.messages import StepInput, StepOutput
-from pdflow.parallel.rank_worker import serve_rank
+
+# The rank body every rank process runs (imported there by name, never pickled).
+RANK_TARGET = "pdflow.parallel.rank_worker:serve_rank"
 
 
 class DistributedExecutor:
@@ -28,7 +30,7 @@ class DistributedExecutor:
         self.step_timeout_s = par.step_timeout_s
         self.driver = driver_rank(plan)
         self.depth = par.steps_in_flight
-        self.launcher = launcher or LocalLauncher(spec, role, serve_rank, [r.label for r in plan.ranks])
+        self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks])
         self.launcher.start()
         self._pending: deque[int] = deque()
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
