@@ -1,26 +1,214 @@
-"""`pdflow` command line: subcommands dispatch to Hydra apps over the packaged config tree.
+"""`pdflow` command line: a table of subcommands, each a Hydra app over the packaged
+config tree (``COMMANDS``; a new one adds an entry).
 
-``pdflow plan [--json] [hydra overrides...]`` builds and validates the run graph; it needs
-no GPU and starts no process. Any refusal makes every command exit non-zero.
+Exit codes, for every command: 0 done, 1 a config error (one line on stderr naming the key
+and what is allowed; no traceback), 2 the run graph is refused (each refusal with its
+code and fix).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from pdflow import __version__
 from pdflow.graph import GraphRefused, build_graph
-from pdflow.spec.load import spec_from_config
+from pdflow.spec import RunSpec
+from pdflow.spec.errors import SCHEMA_SUFFIX, ConfigError, describe, unknown_choice
+from pdflow.spec.load import default_choices, group_choices, spec_from_config
 
 CONFIG_PATH = "pkg://pdflow.conf"
-USAGE = """usage: pdflow <command> [options] [hydra overrides...]
+EXIT_OK, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2
+# Flags Hydra's own parser takes (pdflow passes them through); anything else starting
+# with "-" is a mistake, reported as a config error rather than argparse's exit 2.
+HYDRA_FLAGS = {"-m", "--multirun", "-c", "--cfg", "-p", "--package", "--resolve", "--info",
+               "-i", "--hydra-help", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+               "--config-dir", "--run", "-r", "-sc", "--shell-completion", "--experimental-rerun"}
+
+
+@dataclass(kw_only=True, slots=True)
+class Command:
+    """A subcommand: ``run`` takes the arguments after its name and returns an exit code."""
+
+    summary: str
+    run: Callable[[list[str]], int]
+
+
+def _groups_help() -> str:
+    defaults = default_choices()
+    lines = []
+    for group, options in group_choices().items():
+        marked = [f"{o}*" if defaults.get(group) == o else o for o in options]
+        lines.append(f"  {group + ':':12}{', '.join(marked)}")
+    return "\n".join(lines)
+
+
+def plan_help() -> str:
+    return f"""usage: pdflow plan [--json] [-m] [override ...]
+
+Build and check the run graph of a deployment without starting anything (no GPU, no
+process): stages and ranks with their layers and heads, drafter taps and relays, KV units,
+head cuts between prefill and decode, block budgets, and every refusal with its fix.
+
+options:
+  --json          print the graph as JSON instead of tables
+  -m, --multirun  sweep: an override with a comma list (prefill=pp4,tp4) runs one plan per
+                  combination; Hydra keeps a multirun/<date>/<time>/ folder in the current
+                  directory (a single plan writes nothing)
+  --cfg job       print the composed config instead of the plan (Hydra; --hydra-help: all)
+  -h, --help      this help
+
+overrides (Hydra syntax):
+  group=option          choose a config group's option      prefill=pp2 drafter=none
+  key=value             set one setting                     decode.block_size=64
+  +experiment=name      apply a preset deployment           +experiment=ref_pp4_tp4_dspark
+  key=a,b with -m       sweep the values                    -m decode=tp2,tp4
+
+config groups (* = default):
+{_groups_help()}
+
+exit codes:
+  0  the plan is allowed (every job of a sweep)
+  1  a config error: one line on stderr naming the key (decode.block_size) and what is allowed
+  2  the run graph is refused (a sweep names each refused job by its overrides)
+"""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobsOutcome:
+    """What a command's Hydra jobs found (a -m sweep runs several in this process): config
+    errors are recorded, not raised, so one bad job neither hides the others nor gets
+    Hydra's traceback."""
+
+    config_errors: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    sweep: bool = False
+
+    def exit_code(self, name: str) -> int:
+        for line in self.config_errors:
+            print(f"pdflow {name}: {line}", file=sys.stderr)
+        if self.config_errors:
+            return EXIT_CONFIG
+        if self.refused and self.sweep:
+            print(f"pdflow {name}: {len(self.refused)} job(s) refused: {'; '.join(self.refused)}",
+                  file=sys.stderr)
+        return EXIT_REFUSED if self.refused else EXIT_OK
+
+
+def job_name() -> str:
+    """This job's overrides, and its number in a sweep: how a user finds it again."""
+    hc = HydraConfig.get()
+    overrides = " ".join(hc.overrides.task) or "(defaults)"
+    return f"job #{hc.job.num} ({overrides})" if hc.mode == RunMode.MULTIRUN else overrides
+
+
+def job_spec(cfg: DictConfig, outcome: JobsOutcome) -> RunSpec | None:
+    """The job's RunSpec, or None once its config error is recorded (named by the job in
+    a sweep). An internal ``*_schema`` entry is not a choice, though Hydra lists it."""
+    hc = HydraConfig.get()
+    outcome.sweep = hc.mode == RunMode.MULTIRUN
+    choices = group_choices()
+    try:
+        for group, choice in hc.runtime.choices.items():
+            if group in choices and choice and str(choice).endswith(SCHEMA_SUFFIX):
+                raise ConfigError(unknown_choice(group, choice, choices[group]))
+        return spec_from_config(cfg)
+    except ConfigError as err:
+        outcome.config_errors.append(f"{job_name()}: {err}" if outcome.sweep else str(err))
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class _PlanState:
+    json: bool = False
+    outcome: JobsOutcome = field(default_factory=JobsOutcome)
+
+
+_plan_state = _PlanState()
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _plan(cfg: DictConfig) -> None:
+    outcome = _plan_state.outcome
+    spec = job_spec(cfg, outcome)
+    if spec is None:
+        return
+    graph = build_graph(spec)
+    if _plan_state.json:
+        print(json.dumps(graph.to_dict(), indent=1))
+    else:
+        from pdflow.graph.render import render
+
+        render(graph)
+    if graph.refusals:
+        name = job_name()
+        outcome.refused.append(name)
+        print(f"pdflow plan: {name}: {GraphRefused(graph.refusals)}", file=sys.stderr)
+
+
+def run_hydra_app(app: Callable[[], None], name: str, args: list[str]) -> int:
+    """Run a ``@hydra.main`` app on ``args``; a config error (composition, override, spec
+    check) prints one line and returns EXIT_CONFIG, anything else keeps its traceback."""
+    bad = next((a for a in args if a.startswith("-") and a not in HYDRA_FLAGS), None)
+    if bad is not None:
+        print(f"pdflow {name}: unknown option {bad} (pdflow {name} --help lists them)", file=sys.stderr)
+        return EXIT_CONFIG
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    sys.argv = [f"pdflow {name}", *args]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing a traceback
+    try:
+        app()
+    except Exception as err:
+        line = describe(err)
+        if line is None:
+            raise
+        print(f"pdflow {name}: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        sys.argv = saved_argv
+        if saved_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
+    return EXIT_OK
+
+
+def plan_command(args: list[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print(plan_help())
+        return EXIT_OK
+    _plan_state.json, _plan_state.outcome = "--json" in args, JobsOutcome()
+    code = run_hydra_app(_plan, "plan", [a for a in args if a != "--json"])
+    return code or _plan_state.outcome.exit_code("plan")
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command(
+        summary="show and check the run graph (stages, heads, drafter taps, KV units, head "
+        "cuts, block budgets, refusals); --json, -m sweeps",
+        run=plan_command,
+    ),
+}
+
+
+def usage() -> str:
+    commands = "\n".join(f"  {name:8}{c.summary}" for name, c in COMMANDS.items())
+    return f"""usage: pdflow <command> [options] [hydra overrides...]
+       pdflow --version
 
 commands:
-  plan [--json]   show and validate the run graph (stages, heads, drafter taps, KV units,
-                  head cuts, block budgets, refusals); -m sweeps print one plan per job
+{commands}
+
+`pdflow <command> --help` explains a command, its overrides and the config groups.
+exit codes: 0 done, 1 config error (one line naming the key), 2 the run graph is refused.
 
 examples:
   pdflow plan
@@ -29,43 +217,22 @@ examples:
   pdflow plan -m prefill=pp4,tp4 drafter=dspark,none
 """
 
-# Flags Hydra's parser must not see, and what the jobs found (a sweep runs several).
-_state: dict[str, int] = {"json": 0, "refused_jobs": 0}
-
-
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-def _plan(cfg: DictConfig) -> None:
-    graph = build_graph(spec_from_config(cfg))
-    if _state["json"]:
-        print(json.dumps(graph.to_dict(), indent=1))
-    else:
-        from pdflow.graph.render import render
-
-        render(graph)
-    if graph.refusals:
-        _state["refused_jobs"] += 1
-        print(GraphRefused(graph.refusals), file=sys.stderr)
-
-
-COMMANDS = {"plan": _plan}
-
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        print(usage())
         return
-    command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"pdflow: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-        raise SystemExit(2)
-    _state["json"] = int("--json" in rest)
-    _state["refused_jobs"] = 0
-    rest = [a for a in rest if a != "--json"]
-    sys.argv = [f"pdflow {command}", *rest]
-    COMMANDS[command]()
-    if _state["refused_jobs"]:
-        raise SystemExit(2)
+    if argv[0] in ("-V", "--version"):
+        print(f"pdflow {__version__}")
+        return
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"pdflow: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+    code = command.run(argv[1:])
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -10,4 +10,4 @@ if ! ldconfig -p | grep -q "libibverbs.so.1 " && [ "$(id -u)" = 0 ] && command -
 fi
 python -m pip install -q torch==2.13.0 -e ".[test]"
 ruff check pdflow kernels tests scripts
-python -m pytest -q -x
+python -m pytest -q

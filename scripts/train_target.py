@@ -123,6 +123,13 @@ def save(model: LlamaForCausalLM, out: Path, record: dict, max_positions: int) -
     model = model.to(torch.bfloat16)
     model.config.use_cache = True
     model.save_pretrained(out, max_shard_size="10MB")
+    # config.json's dtype is the one to compute in, which pdflow's dtype="auto" and
+    # transformers' default load: fp32, as conf/model/tiny.yaml says; the shards stay
+    # bf16 (its weight_dtype).
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    config["dtype"] = "float32"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     GenerationConfig(
         bos_token_id=V.BOS_ID, eos_token_id=V.EOS_ID, pad_token_id=V.PAD_ID, do_sample=False,
         max_new_tokens=320,

@@ -29,18 +29,36 @@ def tracked_copy(dest: Path) -> Path:
     return dest
 
 
+def dependency_dirs() -> list[str]:
+    """This interpreter's package folders (venv and, when visible, system ones), without
+    the checkout: the .pth lists plain folders, so no editable-install hook of pdflow
+    inside them runs."""
+    return [
+        p for p in sys.path
+        if p and Path(p).name in ("site-packages", "dist-packages")
+        and not Path(p).resolve().is_relative_to(REPO)
+    ]
+
+
 @pytest.mark.slow
 def test_non_editable_install_runs_plan_from_another_directory(tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs the git checkout to know which files are tracked")
     src = tracked_copy(tmp_path / "src")
     venv = tmp_path / "venv"
-    # System site packages carry the dependencies (no network needed); pdflow itself is
-    # installed from the copied tree, not editable.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
-    # Build the wheel with this interpreter's setuptools (a fresh venv's may predate
-    # bdist_wheel), then install only that wheel into the venv.
+    # An isolated venv that sees this environment's dependencies through a .pth file (no
+    # network needed). --system-site-packages would not do: run from a venv, it shows the
+    # base interpreter's packages, not the venv's. pdflow itself comes only from the
+    # copied tree, installed from a wheel, not editable.
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    inner_site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    (Path(inner_site) / "outer_env.pth").write_text("\n".join(dependency_dirs()) + "\n")
+    # Build the wheel with this interpreter's setuptools (the test extra's; a fresh venv's
+    # bundled one may predate bdist_wheel), then install only that wheel into the venv.
     dist = tmp_path / "dist"
     subprocess.run(
         [

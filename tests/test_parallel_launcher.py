@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from parallel_probe import alive, allreduce_rank, raising_rank
+from parallel_probe import alive
 
-from pdflow.parallel.launcher import LocalLauncher, RankFailed
+from pdflow.parallel.launcher import LocalLauncher, RankFailed, check_target
 from pdflow.parallel.messages import SamplingSpec, StepInput
 from pdflow.spec.load import compose_spec
+from pdflow.worker.executors import RANK_TARGET
 
 
 def step(n: int) -> StepInput:
@@ -31,14 +35,25 @@ def step(n: int) -> StepInput:
     )
 
 
-def launcher(target, world: int = 4) -> LocalLauncher:
+def launcher(target: str, world: int = 4) -> LocalLauncher:
     spec = compose_spec(["decode.ready_timeout_s=60"])
-    return LocalLauncher(spec, "decode", target, [f"decode.s0.t{r}" for r in range(world)])
+    return LocalLauncher(spec, "decode", f"parallel_probe:{target}", [f"decode.s0.t{r}" for r in range(world)])
+
+
+def test_rank_target_is_an_importable_name():
+    from pdflow.parallel.rank_entry import resolve_target
+    from pdflow.worker.rank_loop import serve_rank
+
+    assert resolve_target(RANK_TARGET) is serve_rank
+    for bad, error in [(serve_rank, TypeError), ("pdflow.worker.rank_loop", ValueError),
+                       ("__main__:serve", ValueError), ("pdflow:not a name", ValueError)]:
+        with pytest.raises(error):
+            check_target(bad)
 
 
 @pytest.mark.slow
 def test_ranks_answer_steps_and_shut_down_cleanly():
-    inst = launcher(allreduce_rank)
+    inst = launcher("allreduce_rank")
     readies = inst.start()
     pids = inst.pids
     assert sorted(r.rank for r in readies) == [0, 1, 2, 3]
@@ -52,7 +67,7 @@ def test_ranks_answer_steps_and_shut_down_cleanly():
 
 @pytest.mark.slow
 def test_killed_rank_fails_the_instance_naming_it_without_orphans():
-    inst = launcher(allreduce_rank)
+    inst = launcher("allreduce_rank")
     inst.start()
     pids = inst.pids
     inst.broadcast(step(0))
@@ -68,7 +83,38 @@ def test_killed_rank_fails_the_instance_naming_it_without_orphans():
 
 @pytest.mark.slow
 def test_rank_that_raises_reports_its_traceback():
-    inst = launcher(raising_rank, world=2)
+    inst = launcher("raising_rank", world=2)
     with pytest.raises(RankFailed, match=r"decode\.s0\.t1 failed: raised:(.|\n)*weights for layer 3"):
         inst.start()
     assert inst.pids == []
+
+
+OWNER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pdflow.parallel.launcher import LocalLauncher
+from pdflow.spec.load import compose_spec
+spec = compose_spec(["decode.ready_timeout_s=60"])
+inst = LocalLauncher(spec, "decode", "parallel_probe:allreduce_rank", ["decode.s0.t0", "decode.s0.t1"])
+inst.start()
+print(*inst.pids, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_their_owner_is_killed():
+    code = OWNER.format(tests=str(Path(__file__).parent))
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        owner.kill()
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)

@@ -33,6 +33,8 @@ def _check_files(ckpt: Path) -> None:
     for name in ("config.json", "generation_config.json", "model.safetensors.index.json",
                  "tokenizer.json", "tokenizer_config.json", "pdflow_training.json"):
         assert (ckpt / name).is_file(), name
+    # Computed in fp32 whoever loads it (tests/test_model_dtype.py), stored bf16.
+    assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
 
 
 def _load(ckpt: Path):

@@ -6,11 +6,12 @@ of L3. This op walks each sequence's pages in place (one pass over K for the sco
 one over V for the output, one (sequence, KV head) pair per task on torch's intra-op
 threads) and writes only the [B, H_q, D] result.
 
-Built with ``torch.utils.cpp_extension.load_inline`` (gcc, ~30 s once; cached under
-``~/.cache/torch_extensions``; the module name carries a hash of the source, flags and
-CPU so a shared cache never serves code built for another CPU). Set
-``PDFLOW_CPU_KERNELS=0`` to skip it; any build failure also falls back (``op()`` is
-None) to the eager torch path.
+Built with ``torch.utils.cpp_extension.load_inline`` on first use (gcc, ~1 min once,
+announced on stderr; cached under ``~/.cache/torch_extensions`` or
+``TORCH_EXTENSIONS_DIR``, in a folder per torch install, see ``jit_build``; the module
+name carries a hash of the source, flags and CPU so a shared cache never serves code
+built for another CPU). Set ``PDFLOW_CPU_KERNELS=0`` to skip it; any build failure also
+falls back (``op()`` is None) to the eager torch path.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import hashlib
 import os
 import platform
 import warnings
+from pathlib import Path
 
 import torch
+
+from pdflow.attention import jit_build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -113,20 +117,30 @@ def _cpu_tag() -> str:
     return info
 
 
+def module_name() -> str:
+    key = hashlib.sha1((_SOURCE + " ".join(_FLAGS) + torch.__version__ + _cpu_tag())
+                       .encode()).hexdigest()[:12]
+    return f"pdflow_cpu_decode_{key}"
+
+
+def build_folder() -> Path:
+    """Where this torch install builds the op (read at call time: TORCH_EXTENSIONS_DIR)."""
+    return jit_build.build_directory(module_name())
+
+
 def op():
-    """The compiled op, or None (disabled, or no compiler): callers fall back."""
+    """The compiled op, or None (disabled, no compiler, or a build elsewhere that never
+    finishes): callers fall back."""
     global _op, _tried
     if not _tried:
         _tried = True
         if os.environ.get("PDFLOW_CPU_KERNELS", "1") != "0":
-            key = hashlib.sha1((_SOURCE + " ".join(_FLAGS) + torch.__version__ + _cpu_tag())
-                               .encode()).hexdigest()[:12]
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _op = load_inline(f"pdflow_cpu_decode_{key}", cpp_sources=_SOURCE,
-                                  functions=["paged_decode"], extra_cflags=_FLAGS,
-                                  extra_ldflags=["-fopenmp"]).paged_decode
+                _op = jit_build.load_inline_op(
+                    module_name(), folder=build_folder(), what="the CPU decode op",
+                    source=_SOURCE, functions=["paged_decode"], cflags=_FLAGS,
+                    ldflags=["-fopenmp"],
+                ).paged_decode
             except Exception as err:  # no compiler, headers, ...: the eager path still works
                 warnings.warn(f"pdflow CPU decode kernel unavailable, using eager torch: {err}",
                               stacklevel=2)

@@ -61,4 +61,5 @@ class GraphRefused(Exception):
     def __init__(self, refusals: Iterable[Refusal]):
         self.refusals = list(refusals)
         lines = "\n".join(f"  - {r}" for r in self.refusals)
-        super().__init__(f"the run graph is refused ({len(self.refusals)} reasons):\n{lines}")
+        count = len(self.refusals)
+        super().__init__(f"the run graph is refused ({count} reason{'s' * (count != 1)}):\n{lines}")

@@ -1,22 +1,22 @@
 """Starting an instance's ranks and carrying owner <-> rank messages.
 
 ``Launcher`` is the interface (so the same spec can be placed by torchrun-style static
-rendezvous, Ray placement groups or SLURM); ``LocalLauncher`` spawns one process per
-rank on this host. A rank that dies, errors or stops answering fails the whole instance
-with ``RankFailed`` naming it, and every other rank is torn down: never a hang, never an
-orphan.
+rendezvous, Ray placement groups or SLURM); ``LocalLauncher`` starts one process per
+rank on this host, each its own interpreter (``python -m pdflow.parallel.rank_entry``,
+as torchrun does) running a target named ``"module:function"``, so nothing depends on
+re-importing the user's main module. A rank that dies, errors or stops answering fails
+the whole instance with ``RankFailed`` naming it, and every other rank is torn down:
+never a hang, never an orphan.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import multiprocessing as mp
 import os
 import socket
-import threading
+import subprocess
+import sys
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,42 +59,40 @@ class Channel:
         return decode(self._conn.recv_bytes())
 
 
-# The rank's body, or its "module:function" path (imported in the rank process, so the
-# transport never imports the worker).
-RankTarget = Callable[[RankContext, Channel], None] | str
+RankTarget = Callable[[RankContext, Channel], None]
 
 
-def resolve_target(target: RankTarget) -> Callable[[RankContext, Channel], None]:
-    if callable(target):
-        return target
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+@dataclass(kw_only=True, slots=True)
+class RankStart:
+    """The first message a rank process reads: what to run, with which context, and the
+    owner's import path (so a target importable there is importable in the rank)."""
+
+    target: str
+    context: RankContext
+    sys_path: list[str]
+
+
+def check_target(target: str) -> str:
+    """A rank target is ``"package.module:function"``, importable by a fresh interpreter."""
+    if not isinstance(target, str):
+        raise TypeError(
+            f"a rank target is a 'package.module:function' string, got {type(target).__name__}"
+        )
+    module, sep, name = target.partition(":")
+    if not (sep and module and name.isidentifier()):
+        raise ValueError(f"rank target {target!r} is not 'package.module:function'")
+    if module == "__main__":
+        raise ValueError(
+            f"rank target {target!r} lives in __main__, which a rank process does not import; "
+            "move it into an importable module"
+        )
+    return target
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the owner disappears, even while blocked in a collective."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(3)
-        time.sleep(0.5)
-
-
-def _rank_main(target: RankTarget, ctx: RankContext, conn: Connection, parent_pid: int) -> None:
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    channel = Channel(conn)
-    try:
-        resolve_target(target)(ctx, channel)
-    except BaseException:
-        try:
-            channel.send(RankError(rank=ctx.rank, error=traceback.format_exc()))
-        finally:
-            os._exit(1)
 
 
 class Launcher(ABC):
@@ -120,41 +118,52 @@ class Launcher(ABC):
 
 
 class LocalLauncher(Launcher):
-    def __init__(self, spec: RunSpec, role: str, target: RankTarget, labels: list[str]):
+    """``target`` names the rank body as ``"package.module:function"``, called with
+    (RankContext, Channel) in each rank process."""
+
+    def __init__(self, spec: RunSpec, role: str, target: str, labels: list[str]):
         par = parallel_of(spec, role)
-        self.spec, self.role, self.target, self.labels = spec, role, target, labels
+        self.spec, self.role, self.target, self.labels = spec, role, check_target(target), labels
         self.world_size = len(labels)
         self.ready_timeout_s = par.ready_timeout_s
         host = par.master_addr
         self.init_method = f"tcp://{host}:{par.master_port or free_port(host)}"
-        self._procs: list[mp.Process] = []
+        self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self._exit_fds: list[int] = []  # pidfds: readable once their rank has exited
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
+
+    def _spawn(self, rank: int) -> None:
+        """One rank process, holding its end of a socket pair (no port, no key to guess)."""
+        ours, theirs = socket.socketpair()
+        with theirs:
+            fd = theirs.fileno()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pdflow.parallel.rank_entry", "--fd", str(fd),
+                 "--parent", str(os.getpid()), "--label", self.labels[rank]],
+                pass_fds=(fd,), stdin=subprocess.DEVNULL,
+            )
+        self._procs.append(proc)
+        self._conns.append(Connection(ours.detach()))
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self._exit_fds.append(os.pidfd_open(proc.pid))
+        context = RankContext(
+            spec=self.spec, role=self.role, rank=rank, world_size=self.world_size,
+            init_method=self.init_method,
+        )
+        start = RankStart(target=self.target, context=context, sys_path=list(sys.path))
+        try:
+            self._conns[rank].send(start)
+        except OSError as err:
+            self._fail(rank, f"exited before it started ({err})")
 
     def start(self) -> list[RankReady]:
-        ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            rank_ctx = RankContext(
-                spec=self.spec,
-                role=self.role,
-                rank=rank,
-                world_size=self.world_size,
-                init_method=self.init_method,
-            )
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(self.target, rank_ctx, child, os.getpid()),
-                name=f"pdflow-{self.labels[rank]}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+            self._spawn(rank)
         readies = []
         for rank in range(self.world_size):
             msg = self.recv(rank, self.ready_timeout_s)
@@ -173,32 +182,36 @@ class LocalLauncher(Launcher):
         """Wait for one message from ``rank`` while watching every rank for death."""
         deadline = time.monotonic() + timeout_s
         conn = self._conns[rank]
-        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        # Without pidfds (not Linux) exits are polled each second.
+        poll_s = 60.0 if len(self._exit_fds) == len(self._procs) else 1.0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(rank, f"no answer within {timeout_s:.0f}s")
-            ready = wait([conn, *sentinels], timeout=remaining)
+            ready = wait([conn, *self._exit_fds], timeout=min(remaining, poll_s))
             if conn in ready:
                 try:
                     msg = decode(conn.recv_bytes())
                 except (EOFError, OSError):
-                    self._fail(rank, "pipe closed")
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._procs[rank].wait(timeout=5)  # its socket closed: it is exiting
+                    self._fail_dead(rank)
                 if isinstance(msg, RankError):
                     self._fail(msg.rank, "raised:\n" + msg.error)
                 return msg
-            for sentinel in ready:
-                dead = sentinels[sentinel]
-                code = self._procs[dead].exitcode
-                # A rank that reported an error before exiting says why on its pipe.
-                if self._conns[dead].poll():
-                    try:
-                        msg = decode(self._conns[dead].recv_bytes())
-                        if isinstance(msg, RankError):
-                            self._fail(dead, "raised:\n" + msg.error)
-                    except (EOFError, OSError):
-                        pass
-                self._fail(dead, f"process exited with code {code}")
+            for dead, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    self._fail_dead(dead)
+
+    def _fail_dead(self, rank: int):
+        """Fail on ``rank``'s exit, with the traceback it sent first if it sent one."""
+        conn = self._conns[rank]
+        with contextlib.suppress(EOFError, OSError):
+            if conn.poll():
+                msg = decode(conn.recv_bytes())
+                if isinstance(msg, RankError):
+                    self._fail(rank, "raised:\n" + msg.error)
+        self._fail(rank, f"process exited with code {self._procs[rank].poll()}")
 
     def _fail(self, rank: int, why: str):
         self.shutdown(graceful=False)
@@ -207,19 +220,23 @@ class LocalLauncher(Launcher):
     def shutdown(self, graceful: bool = True) -> None:
         if graceful:
             for proc, conn in zip(self._procs, self._conns, strict=True):
-                if proc.is_alive():
+                if proc.poll() is None:
                     with contextlib.suppress(OSError):
                         conn.send_bytes(encode(Shutdown(reason="owner shutdown")))
             for proc in self._procs:
-                proc.join(timeout=5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
         for proc in self._procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.terminate()
         for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(timeout=5)
+                proc.wait(timeout=5)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        for fd in self._exit_fds:
+            os.close(fd)
+        self._procs, self._conns, self._exit_fds = [], [], []

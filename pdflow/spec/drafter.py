@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdflow.spec.dtypes import canonical_dtype
+
 DRAFTER_KINDS = ("none", "dspark", "eagle", "eagle3")
 
 
@@ -33,6 +35,8 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter.kind {self.kind!r} is not one of {DRAFTER_KINDS}")
+        if self.dtype != "auto":
+            canonical_dtype(self.dtype, "drafter.dtype")
         if self.kind == "none":
             return
         for name in ("num_speculative_tokens", "layers", "kv_heads", "head_dim"):

@@ -19,11 +19,12 @@ ALIASES: dict[str, str] = {
 }
 
 
-def canonical_dtype(name: str) -> str:
-    """Map user spellings (``bfloat16``) onto the spec's short names (``bf16``)."""
+def canonical_dtype(name: str, key: str = "dtype") -> str:
+    """Map user spellings (``bfloat16``) onto the spec's short names (``bf16``); ``key``
+    names the setting in the error."""
     short = ALIASES.get(name, name)
     if short not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPE_BYTES)}")
+        raise ValueError(f"{key} {name!r} is not a dtype; use one of {', '.join(DTYPE_BYTES)}")
     return short
 
 

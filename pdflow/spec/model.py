@@ -44,11 +44,14 @@ class ModelSpec:
             raise ValueError(
                 f"model.heads ({self.heads}) must be a multiple of model.kv_heads ({self.kv_heads}) for GQA"
             )
-        self.dtype = canonical_dtype(self.dtype)
-        self.kv_dtype = self.dtype if self.kv_dtype == "auto" else canonical_dtype(self.kv_dtype)
+        self.dtype = canonical_dtype(self.dtype, "model.dtype")
+        if self.kv_dtype == "auto":
+            self.kv_dtype = self.dtype
+        else:
+            self.kv_dtype = canonical_dtype(self.kv_dtype, "model.kv_dtype")
         if self.weight_dtype != "auto":
-            self.weight_dtype = canonical_dtype(self.weight_dtype)
-        self.indexer_dtype = canonical_dtype(self.indexer_dtype)
+            self.weight_dtype = canonical_dtype(self.weight_dtype, "model.weight_dtype")
+        self.indexer_dtype = canonical_dtype(self.indexer_dtype, "model.indexer_dtype")
         if self.indexer_layers:
             bad = [i for i in self.indexer_layers if not 0 <= i < self.layers]
             if bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdflow.spec.attention import AUTO, resolve_attention_backend
+from pdflow.spec.dtypes import canonical_dtype
 
 GIB = 1 << 30
 PARTITIONS = ("even", "lighter_last")
@@ -75,7 +76,13 @@ class ParallelSpec:
         if self.device_offset is not None and self.device_offset < 0:
             raise ValueError(f"device_offset must be >= 0 or null, got {self.device_offset}")
         if self.device_memory_gib <= 0:
-            raise ValueError("device_memory_gib must be positive")
+            raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(
+                f"num_kv_blocks must be >= 1 or null (sized from memory), got {self.num_kv_blocks}"
+            )
+        if self.kv_dtype != "auto":
+            canonical_dtype(self.kv_dtype, "kv_dtype")
         if self.layer_partition is not None and len(self.layer_partition) != self.pp:
             # Cross-group facts (layer count) are checked by the graph; length is local.
             raise ValueError(
