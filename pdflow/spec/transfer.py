@@ -18,12 +18,21 @@ class TransferSpec:
     handshake_base_port: int = 0
     # Explicit producer-unit -> consumer-unit names ("" = not sent); others map by name.
     consumer_map: dict[str, str] = field(default_factory=dict)
-    # Runs per descriptor batch submitted to the engine.
+    # Runs per descriptor batch submitted to the engine. Mooncake's TCP transport queues
+    # about 1024 per peer and fails a larger batch at once.
     descriptor_batch: int = 256
     # Pack a request's runs into one staging buffer per consumer rank (TCP) instead of
     # one descriptor per run (RDMA).
     staging: bool = True
+    # Registered staging memory per rank: the consumer's receive area and each producer
+    # rank's send buffer per consumer rank. A request that does not fit goes direct.
+    staging_mib: int = 256
+    # A request's transfer deadline, on both sides.
     timeout_s: float = 30.0
+    # Extra attempts of a failed descriptor batch (a rejected write drops one of the
+    # peer's TCP lanes, so the next one may fail once), waiting backoff, 2x, 4x, ...
+    retries: int = 3
+    retry_backoff_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -32,5 +41,11 @@ class TransferSpec:
             raise ValueError(f"transfer.protocol {self.protocol!r} is not one of {PROTOCOLS}")
         if self.descriptor_batch < 1:
             raise ValueError("transfer.descriptor_batch must be >= 1")
+        if not 1 <= self.staging_mib < 2048:
+            raise ValueError("transfer.staging_mib must be 1..2047 (one registration stays under 2 GiB)")
+        if self.timeout_s <= 0:
+            raise ValueError("transfer.timeout_s must be > 0")
+        if self.retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError("transfer.retries and transfer.retry_backoff_s must be >= 0")
         if not 0 <= self.handshake_base_port < 65536:
             raise ValueError("transfer.handshake_base_port must be 0 (pick free) or a port number")
