@@ -37,7 +37,7 @@ def overrides(page: int, staging: bool, staging_mib: int = 16) -> list[str]:
 
 
 def run(graph, transports, **rig_args):
-    rig = Rig(graph=graph, num_blocks=NUM_BLOCKS, transports=transports, **rig_args)
+    rig = Rig(graph, NUM_BLOCKS, transports, **rig_args)
     try:
         rig.pair()
         outcomes = rig.move(REQUESTS)
@@ -102,7 +102,7 @@ def test_streaming_through_a_send_buffer_smaller_than_a_request(graph_of, transp
 
 def test_a_full_receive_area_falls_back_to_direct_writes(graph_of, transports):
     graph = graph_of(*DEPLOYMENTS["tp2->tp4"], *overrides(16, True, staging_mib=1))
-    rig = Rig(graph=graph, num_blocks=NUM_BLOCKS, transports=transports)
+    rig = Rig(graph, NUM_BLOCKS, transports)
     try:
         rig.pair()
         importer = rig.importers[0]

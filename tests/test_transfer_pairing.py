@@ -84,7 +84,7 @@ def test_a_refused_consumer_gets_the_code_over_the_side_channel_and_no_bytes(gra
     rank refuses it; a request it sends anyway is answered with an error, and its caches
     keep their poison."""
     graph = graph_of(*BASE)
-    rig = Rig(graph=graph, num_blocks=4, transports=transports)
+    rig = Rig(graph, 4, transports)
     other = graph_of(*BASE, *WRONG[Code.UNIT_MISMATCH_PAGE])
     endpoint = Endpoint()
     caches = caches_for(other.consumer.ranks[0].units, 4, fill="poison")
@@ -95,7 +95,7 @@ def test_a_refused_consumer_gets_the_code_over_the_side_channel_and_no_bytes(gra
         with pytest.raises(PairingRefused) as refused:
             pair_with_producers(endpoint, importer.hello(), producers, timeout_s=10)
         assert {r.code for r in refused.value.refusals} == {Code.UNIT_MISMATCH_PAGE}
-        rig.producer_blocks["r"] = [0, 1]
+        rig.blocks["r"] = [0, 1]
         for p, want in importer.expect("r", [2, 3]).items():
             endpoint.send(producers[p], want)
         answers = [endpoint.recv(5.0) for _ in producers]
