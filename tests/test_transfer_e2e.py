@@ -91,12 +91,13 @@ def test_the_page_ignorant_cut_is_caught(graph_of, transports, path):
 
 
 def test_streaming_through_a_send_buffer_smaller_than_a_request(graph_of, transports):
-    """Packed requests larger than the producer's send buffer go out in several writes."""
+    """Packed requests larger than the producer's send buffer go out in several writes,
+    alternating between its two halves."""
     graph = graph_of(*DEPLOYMENTS["tp2->tp4"], *overrides(16, True))
-    rig, outcomes = run(graph, transports, send_buffer_bytes=40 << 10)
+    rig, outcomes = run(graph, transports, send_buffer_bytes=80 << 10)
     assert all(o.ok for o in outcomes.values())
     biggest = max(w.recv_bytes for w in rig.wants)
-    assert biggest > 3 * (40 << 10)  # so the largest request took at least four writes
+    assert biggest > 8 * (40 << 10)  # so the largest request took at least nine writes
     assert wrong_units(graph, rig.producer_caches, rig.consumer_caches, REQUESTS.values()) == []
 
 

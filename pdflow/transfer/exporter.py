@@ -3,7 +3,8 @@
 For every consumer rank the graph gives this rank a cut plan (which runs of which of its
 units land where). ``pair`` accepts a consumer rank's ``Hello`` after checking it
 against that plan; ``submit`` writes one request's blocks for one consumer rank, packed
-(gathered into this rank's send buffer for that peer, one large write per piece) or
+(gathered into this rank's send buffer for that peer, a few large writes overlapping the
+gather) or
 direct (one descriptor per run), on the peer's lane and under the request's deadline.
 The result is always a ``KVDone`` to send back: a failure fails that request only.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -26,6 +27,10 @@ from pdflow.transfer.pairing import check_hello
 from pdflow.transfer.staging import PROBE_BYTES, StagingBuffer
 from pdflow.transfer.unit_caches import register_caches
 
+# Bytes per packed write: small enough that gathering the next chunk overlaps the write
+# of this one, large enough that the engine's per-call cost is noise.
+CHUNK_BYTES = 8 << 20
+
 
 class KVExporter:
     def __init__(self, graph: RunGraph, rank: int, caches: Mapping[str, torch.Tensor],
@@ -38,11 +43,15 @@ class KVExporter:
         self.graph, self.rank, self.stage, self.transport = graph, rank, me.stage, transport
         self.spec = graph.spec.transfer
         self.cuts = {c.consumer_rank: c for c in graph.cuts if c.producer_rank == rank}
+        self._send_bytes = send_buffer_bytes or self.spec.staging_mib << 20
+        need = max((sum(r.length for r in g.runs) for c in self.cuts.values() for g in c.groups), default=0)
+        if self.spec.staging and min(self._send_bytes // 2, CHUNK_BYTES) < need:
+            raise ValueError(f"a send buffer of {self._send_bytes} bytes cannot hold one block's runs of a "
+                             f"unit ({need} bytes) in each half; raise transfer.staging_mib")
         sent = {src for cut in self.cuts.values() for g in cut.groups for src, _ in g.units}
         self.caches, self.regions = register_caches(transport, me.units, caches, sent)
         self._peers: dict[tuple[str, int], Hello] = {}
         self._send: dict[tuple[str, int], StagingBuffer] = {}
-        self._send_bytes = send_buffer_bytes or self.spec.staging_mib << 20
         self._probe = StagingBuffer(transport, PROBE_BYTES, "cpu")
         self.probes: dict[tuple[str, int], Future] = {}  # pairing probe writes, by peer
 
@@ -143,21 +152,41 @@ class KVExporter:
         self.transport.write_now(peer.session_id, desc, deadline)
 
     def _write_packed(self, want: KVWanted, peer: Hello, blocks: list[int], deadline: float) -> None:
-        """Gather piece after piece into the send buffer, one write per full buffer."""
+        """Gather the request chunk by chunk into the two halves of the send buffer; each
+        chunk's write runs on the peer's data lane while the next chunk is gathered."""
         cut, send = self.cuts[want.consumer_rank], self._send[(want.instance, want.consumer_rank)]
-        capacity = send.tensor.numel()
-        start = 0  # stream offset of the send buffer's first byte
+        slot = min(send.tensor.numel() // 2, CHUNK_BYTES)
+        writes: list[Future | None] = [None, None]
+        try:
+            for i, chunk in enumerate(_chunks(packing.pieces(cut, len(blocks), max_bytes=slot), slot)):
+                half = i % 2
+                if writes[half] is not None:
+                    writes[half].result()  # that half is free again
+                first = chunk[0].offset
+                for piece in chunk:
+                    packing.pack_piece(cut, piece, self.caches[piece.src_unit], blocks,
+                                       send.view(half * slot + piece.offset - first, piece.nbytes),
+                                       dst_block_bytes=peer.regions[piece.dst_unit].block_bytes)
+                desc = Descriptors()
+                desc.add(send.base + half * slot, want.recv_addr + first, chunk[-1].offset + chunk[-1].nbytes - first)
+                writes[half] = self.transport.run(
+                    f"{peer.session_id}#data", lambda d, desc=desc: self.transport.write_now(peer.session_id, desc, d),
+                    deadline=deadline, what=f"request {want.request_id} chunk {i}")
+            for write in writes:
+                if write is not None:
+                    write.result()
+        finally:  # never return while a write may still read the buffer
+            for write in writes:
+                if write is not None and not write.done():
+                    wait([write])
 
-        def flush(stop: int) -> None:
-            desc = Descriptors()
-            desc.add(send.base, want.recv_addr + start, stop - start)
-            self.transport.write_now(peer.session_id, desc, deadline)
 
-        for piece in packing.pieces(cut, len(blocks), max_bytes=capacity):
-            if piece.offset + piece.nbytes - start > capacity:
-                flush(piece.offset)
-                start = piece.offset
-            packing.pack_piece(cut, piece, self.caches[piece.src_unit], blocks,
-                               send.view(piece.offset - start, piece.nbytes),
-                               dst_block_bytes=peer.regions[piece.dst_unit].block_bytes)
-        flush(packing.packed_nbytes(cut, len(blocks)))
+def _chunks(pieces: list[packing.Piece], limit: int) -> list[list[packing.Piece]]:
+    """Consecutive pieces grouped into chunks of at most ``limit`` bytes."""
+    out: list[list[packing.Piece]] = []
+    for piece in pieces:
+        if out and piece.offset + piece.nbytes - out[-1][0].offset <= limit:
+            out[-1].append(piece)
+        else:
+            out.append([piece])
+    return out
