@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 BACKENDS = ("mooncake", "nccl")
 PROTOCOLS = ("tcp", "rdma")
+TCP_PEER_QUEUE = 1024
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +42,10 @@ class TransferSpec:
             raise ValueError(f"transfer.protocol {self.protocol!r} is not one of {PROTOCOLS}")
         if self.descriptor_batch < 1:
             raise ValueError("transfer.descriptor_batch must be >= 1")
+        if self.protocol == "tcp" and self.descriptor_batch > TCP_PEER_QUEUE:
+            raise ValueError(f"transfer.descriptor_batch={self.descriptor_batch}: Mooncake's TCP transport "
+                             f"queues about {TCP_PEER_QUEUE} descriptors per peer and fails a larger batch at "
+                             f"once; use at most {TCP_PEER_QUEUE}")
         if not 1 <= self.staging_mib < 2048:
             raise ValueError("transfer.staging_mib must be 1..2047 (one registration stays under 2 GiB)")
         if self.timeout_s <= 0:
