@@ -54,3 +54,18 @@ def test_a_closed_lane_set_takes_no_jobs():
     lanes.close()
     with pytest.raises(TransferError, match="closed"):
         lanes.submit("peer", lambda d: None, deadline=time.monotonic() + 1)
+
+
+def test_a_callback_of_an_expired_job_may_submit_the_next(lanes):
+    """The watchdog settles futures outside its lock, so a done-callback can queue more work."""
+    release, follow = threading.Event(), []
+    stuck = lanes.submit("peer", lambda d: release.wait(30), deadline=time.monotonic() + 0.2)
+    stuck.add_done_callback(lambda f: follow.append(
+        lanes.submit("other", lambda d: "next", deadline=time.monotonic() + 5)))
+    with pytest.raises(TransferError):
+        stuck.result(timeout=5)
+    release.set()
+    deadline = time.monotonic() + 5
+    while not follow and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert follow[0].result(timeout=5) == "next"

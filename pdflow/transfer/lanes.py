@@ -17,25 +17,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
 from pdflow.transfer.errors import TransferError
 
 T = TypeVar("T")
-_settle_lock = threading.Lock()
 
 
 def _settle(future: Future, *, result=None, error: BaseException | None = None) -> bool:
-    """Set a future's outcome unless the watchdog or the job did first."""
-    with _settle_lock:
-        if future.done():
-            return False
+    """Set a future's outcome unless the watchdog or the job did first (the future's own
+    lock decides; its callbacks run after, outside any lock of ours)."""
+    try:
         if error is None:
             future.set_result(result)
         else:
             future.set_exception(error)
         return True
+    except InvalidStateError:
+        return False
 
 
 class _Watchdog:
@@ -59,15 +59,18 @@ class _Watchdog:
             self._cond.notify()
 
     def _loop(self) -> None:
-        with self._cond:
-            while not self._stopped:
+        while True:
+            expired = []
+            with self._cond:
+                if self._stopped:
+                    return
                 now = time.monotonic()
                 while self._heap and (self._heap[0][2].done() or self._heap[0][0] <= now):
-                    deadline, _, future, what = heapq.heappop(self._heap)
-                    if not future.done():
-                        _settle(future, error=TransferError(f"{what}: no result by its deadline"))
-                wait = self._heap[0][0] - now if self._heap else None
-                self._cond.wait(wait)
+                    expired.append(heapq.heappop(self._heap))
+                if not expired:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+            for _, _, future, what in expired:  # outside the lock: callbacks may submit jobs
+                _settle(future, error=TransferError(f"{what}: no result by its deadline"))
 
 
 class Lanes:
