@@ -4,8 +4,8 @@ For every consumer rank the graph gives this rank a cut plan (which runs of whic
 units land where). ``pair`` accepts a consumer rank's ``Hello`` after checking it
 against that plan; ``submit`` writes one request's blocks for one consumer rank, packed
 (gathered into this rank's send buffer for that peer, a few large writes overlapping the
-gather) or
-direct (one descriptor per run), on the peer's lane and under the request's deadline.
+gather) or direct (one descriptor per run), on the peer's lane and under the request's
+deadline.
 The result is always a ``KVDone`` to send back: a failure fails that request only.
 """
 
@@ -62,19 +62,21 @@ class KVExporter:
         of its first request (a handshake that hangs stalls the whole engine)."""
         refusals = check_hello(self.graph, self.rank, hello)
         key = (hello.instance, hello.rank)
-        if not refusals:
-            self._peers[key] = hello
-        if not refusals and hello.probe.nbytes:
+        if refusals:
+            self._peers.pop(key, None)  # a refused re-pairing forgets the old memory too
+            return Paired(instance=hello.instance, consumer_rank=hello.rank, producer_rank=self.rank,
+                          refusals=refusals)
+        self._peers[key] = hello
+        if hello.receive is not None and key not in self._send and hello.rank in self.cuts:
+            device = next(iter(self.caches.values())).device
+            self._send[key] = StagingBuffer(self.transport, self._send_bytes, device)
+        if hello.probe.nbytes:
             probe = Descriptors()
             probe.add(self._probe.base, hello.probe.base, min(PROBE_BYTES, hello.probe.nbytes))
             self.probes[key] = self.transport.run(
                 hello.session_id, lambda d: self.transport.write_now(hello.session_id, probe, d),
                 deadline=self.transport.deadline(), what="pairing probe")
-            if hello.receive is not None and key not in self._send and hello.rank in self.cuts:
-                device = next(iter(self.caches.values())).device
-                self._send[key] = StagingBuffer(self.transport, self._send_bytes, device)
-        return Paired(instance=hello.instance, consumer_rank=hello.rank, producer_rank=self.rank,
-                      refusals=refusals)
+        return Paired(instance=hello.instance, consumer_rank=hello.rank, producer_rank=self.rank)
 
     def submit(self, want: KVWanted, producer_blocks: Sequence[int], *, first_token: int | None = None,
                logprob: float | None = None) -> Future:
