@@ -5,29 +5,25 @@ Every producer cache slot holds a code of (unit, global head, block, token, dim)
 graph's cut plans become descriptors for a block mapping and Mooncake writes them into
 poisoned consumer caches. Each consumer rank must then hold exactly its own heads of
 the mapped blocks, and nothing else may change. Sending a rank the plan of its
-neighbour is caught by the same check, and a failed write raises at once.
+neighbour is caught by the same check, and a failed write raises.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+import transfer_kit
+from transfer_kit import needs_mooncake
 
 from pdflow.attention.kv_cache import TORCH_DTYPES
 from pdflow.graph.units import UnitSpec
-from pdflow.spec import TransferSpec
 from pdflow.transfer.descriptors import block_descriptors
-from pdflow.transfer.mooncake_engine import INSTALL_HINT, MooncakeTransport, TransferError
+from pdflow.transfer.mooncake_engine import TransferError
 
-try:
-    import mooncake.engine  # noqa: F401
-except ImportError as err:  # a laptop without libibverbs1; CI installs it and must not skip
-    if os.environ.get("CI"):
-        raise ImportError(f"CI needs the Mooncake Transfer Engine: {INSTALL_HINT}") from err
-    pytest.skip(f"Mooncake Transfer Engine unavailable ({err}); {INSTALL_HINT}", allow_module_level=True)
+pytestmark = needs_mooncake
+transports = transfer_kit.transports  # the pooled-engine fixture
+one_torch_thread = transfer_kit.one_torch_thread
 
 NUM_BLOCKS = 6
 SRC_BLOCKS, DST_BLOCKS = [4, 0, 3], [1, 5, 2]
@@ -57,30 +53,6 @@ def codes(unit_id: int, unit: UnitSpec, blocks: int) -> np.ndarray:
 def int_view(cache: torch.Tensor) -> np.ndarray:
     """The cache's bytes as integers of its element size (codes survive any float dtype)."""
     return cache.view({2: torch.int16, 4: torch.int32}[cache.element_size()]).numpy()
-
-
-@pytest.fixture(scope="module")
-def engine_pool():
-    """Engines are slow to tear down (~1 s each): the module's tests share them."""
-    return []
-
-
-@pytest.fixture
-def transports(engine_pool):
-    """Hands out the pool's engines (making more when needed); each test's registrations
-    are dropped when it ends."""
-    used = 0
-
-    def make():
-        nonlocal used
-        if used == len(engine_pool):
-            engine_pool.append(MooncakeTransport(TransferSpec(protocol="tcp", descriptor_batch=4096)))
-        used += 1
-        return engine_pool[used - 1]
-
-    yield make
-    for t in engine_pool[:used]:
-        t.close()
 
 
 def run_cut(graph, transports, plan_for=lambda cut: cut):

@@ -29,6 +29,9 @@ class Code(str, Enum):
     DRAFTER_TAP_OUT_OF_RANGE = "DRAFTER_TAP_OUT_OF_RANGE"
     KV_POOL_EMPTY = "KV_POOL_EMPTY"
     MODEL_GEOMETRY_MISMATCH = "MODEL_GEOMETRY_MISMATCH"
+    # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
+    PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
+    PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"
 
     def __str__(self) -> str:
         return self.value
@@ -43,6 +46,9 @@ STRUCTURAL = frozenset(
         Code.PAGE_NOT_DIVIDING_BLOCK,
     }
 )
+
+# Refusals that need a live peer's published memory, never raised by validate().
+PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -37,7 +37,15 @@ def _all_heads(holders: list[tuple[RankPlan, UnitSpec]]) -> tuple[int, ...]:
 
 def _mismatches(src: list[tuple[RankPlan, UnitSpec]], dst: list[tuple[RankPlan, UnitSpec]]) -> list[Refusal]:
     a, b = src[0][1], dst[0][1]
-    pair = f"producer unit {a.name} -> consumer unit {b.name}"
+    return unit_mismatches(a, b, pair=f"producer unit {a.name} -> consumer unit {b.name}",
+                           heads=(_all_heads(src), _all_heads(dst)))
+
+
+def unit_mismatches(a: UnitSpec, b: UnitSpec, *, pair: str,
+                    heads: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> list[Refusal]:
+    """Refusals for two units that must agree (head_dim, dtype, page, block size and the
+    KV heads, by default each unit's own): the region check here and pairing both ask it."""
+    heads = heads or (a.heads, b.heads)
     checks = [
         (
             Code.UNIT_MISMATCH_HEAD_DIM,
@@ -70,8 +78,8 @@ def _mismatches(src: list[tuple[RankPlan, UnitSpec]], dst: list[tuple[RankPlan, 
         (
             Code.UNIT_MISMATCH_HEADS,
             "KV heads",
-            _all_heads(src),
-            _all_heads(dst),
+            heads[0],
+            heads[1],
             "map units with the same KV heads (check transfer.consumer_map).",
         ),
     ]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 BACKENDS = ("mooncake", "nccl")
 PROTOCOLS = ("tcp", "rdma")
+TCP_PEER_QUEUE = 1024
 
 
 @dataclass(kw_only=True, slots=True)
@@ -18,16 +19,25 @@ class TransferSpec:
     handshake_base_port: int = 0
     # Explicit producer-unit -> consumer-unit names ("" = not sent); others map by name.
     consumer_map: dict[str, str] = field(default_factory=dict)
-    # Runs per descriptor batch submitted to the engine.
+    # Runs per descriptor batch submitted to the engine. Mooncake's TCP transport queues
+    # about 1024 per peer and fails a larger batch at once.
     descriptor_batch: int = 256
     # Pack a request's runs into one staging buffer per consumer rank (TCP) instead of
     # one descriptor per run (RDMA).
     staging: bool = True
+    # Registered staging memory per rank: the consumer's receive area and each producer
+    # rank's send buffer per consumer rank. A request that does not fit goes direct.
+    staging_mib: int = 256
+    # A request's transfer deadline, on both sides.
     timeout_s: float = 30.0
     # Unit families ("mha", "draft") cut as if their page were the whole block: a
     # deliberate fault that hands every consumer rank another head's bytes with no error,
     # for showing that accuracy and acceptance expose it. Never set in a real deployment.
     force_page_ignorant_cut: list[str] = field(default_factory=list)
+    # Extra attempts of a failed descriptor batch (a rejected write drops one of the
+    # peer's TCP lanes, so the next one may fail once), waiting backoff, 2x, 4x, ...
+    retries: int = 3
+    retry_backoff_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -39,5 +49,15 @@ class TransferSpec:
             raise ValueError(f"transfer.force_page_ignorant_cut takes unit families mha, draft; got {sorted(bad)}")
         if self.descriptor_batch < 1:
             raise ValueError("transfer.descriptor_batch must be >= 1")
+        if self.protocol == "tcp" and self.descriptor_batch > TCP_PEER_QUEUE:
+            raise ValueError(f"transfer.descriptor_batch={self.descriptor_batch}: Mooncake's TCP transport "
+                             f"queues about {TCP_PEER_QUEUE} descriptors per peer and fails a larger batch at "
+                             f"once; use at most {TCP_PEER_QUEUE}")
+        if not 1 <= self.staging_mib < 2048:
+            raise ValueError("transfer.staging_mib must be 1..2047 (one registration stays under 2 GiB)")
+        if self.timeout_s <= 0:
+            raise ValueError("transfer.timeout_s must be > 0")
+        if self.retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError("transfer.retries and transfer.retry_backoff_s must be >= 0")
         if not 0 <= self.handshake_base_port < 65536:
             raise ValueError("transfer.handshake_base_port must be 0 (pick free) or a port number")

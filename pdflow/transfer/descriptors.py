@@ -3,9 +3,9 @@
 The graph says, for one block, which byte runs of each producer unit land where in each
 consumer unit (``CutPlan``); this module only adds addresses: a unit's cache base, the
 block's index on each side, and the run offsets, then merges descriptors that are
-contiguous on both sides. It computes no layout of its own (the graph is the only
-place that does: docs/ARCHITECTURE.md, 'Invariants'), needs no torch and no engine, and
-so is tested on its own.
+contiguous on both sides and inside one registered chunk of each. It computes no layout
+of its own (the graph is the only place that does), needs no torch and no engine, and so
+is tested on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +19,16 @@ from pdflow.graph.cut import CutPlan
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UnitRegion:
     """Where one unit's cache lives in a rank's memory: block b starts at
-    ``base + b * block_bytes``."""
+    ``base + b * block_bytes``. The cache is registered with the engine in chunks of
+    ``chunk_blocks`` blocks (each under 2 GiB); a descriptor must stay inside one."""
 
     base: int
     block_bytes: int
     num_blocks: int
+    chunk_blocks: int = 0  # 0: the whole cache is one chunk
+
+    def chunk(self, index: int) -> int:
+        return index // self.chunk_blocks if self.chunk_blocks else 0
 
     def block(self, index: int) -> int:
         if not 0 <= index < self.num_blocks:
@@ -38,6 +43,7 @@ class Descriptors:
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     length: list[int] = field(default_factory=list)
+    last_key: object = None
 
     def __len__(self) -> int:
         return len(self.length)
@@ -46,14 +52,17 @@ class Descriptors:
     def nbytes(self) -> int:
         return sum(self.length)
 
-    def add(self, src: int, dst: int, length: int) -> None:
-        """Append, extending the last descriptor when this one continues it on both sides."""
-        if self.length and self.src[-1] + self.length[-1] == src and self.dst[-1] + self.length[-1] == dst:
+    def add(self, src: int, dst: int, length: int, key: object = None) -> None:
+        """Append, extending the last descriptor when this one continues it on both sides
+        and carries the same ``key`` (the registered chunks it lies in)."""
+        if (self.length and key == self.last_key and self.src[-1] + self.length[-1] == src
+                and self.dst[-1] + self.length[-1] == dst):
             self.length[-1] += length
         else:
             self.src.append(src)
             self.dst.append(dst)
             self.length.append(length)
+            self.last_key = key
 
     def batches(self, size: int):
         """(src, dst, length) slices of at most ``size`` descriptors each."""
@@ -78,6 +87,7 @@ def block_descriptors(
             src, dst = src_units[src_name], dst_units[dst_name]
             for sb, db in zip(src_blocks, dst_blocks, strict=True):
                 s0, d0 = src.block(sb), dst.block(db)
+                key = (src_name, src.chunk(sb), dst_name, dst.chunk(db))
                 for run in group.runs:
-                    out.add(s0 + run.src, d0 + run.dst, run.length)
+                    out.add(s0 + run.src, d0 + run.dst, run.length, key)
     return out

@@ -1,76 +1,194 @@
 """The Mooncake Transfer Engine behind pdflow's KV transfer: one engine per rank.
 
-Each rank registers its KV cache tensors (``register_unit``) once; a producer rank then writes descriptor
-batches (``descriptors.block_descriptors``) straight into a consumer rank's registered
-caches, named by the consumer's session id (``host:rpc_port``, P2P handshake, no
-metadata server). TCP works on loopback with the non-CUDA wheel
-(``mooncake-transfer-engine-non-cuda``); RDMA takes the device name from the spec. A
-failed write raises ``TransferError`` at once (Mooncake returns an error code: unknown
-peer, destination outside any registered buffer), so the caller can end the request.
+Each rank registers its KV caches (``register_unit``) and staging buffers once; a
+producer rank then writes descriptor batches (``descriptors.block_descriptors``) straight
+into a consumer rank's registered memory, named by the consumer's session id
+(``host:rpc_port``, P2P handshake, no metadata server). TCP works on loopback with the
+non-CUDA wheel (``mooncake-transfer-engine-non-cuda``); RDMA takes the device from the
+spec.
+
+What the engine needs from us, and gets here:
+
+- Registrations stay under 2 GiB: a cache is registered in chunks of whole blocks, and
+  descriptors never cross a chunk (``UnitRegion.chunk_blocks``).
+- At most ``descriptor_batch`` descriptors per call: a TCP peer queues about 1024 and
+  fails a larger batch at once.
+- Retries: a rejected write drops one of the peer's TCP lanes, so the next valid write
+  may fail once; every failed batch is retried ``retries`` times with doubling backoff
+  (writes are idempotent), then raises ``TransferError``.
+- Our own deadline on every call, run off the request path (``lanes.Lanes``). Only the
+  engine's sync writes are used: a failed async submit returns batch id 0, and
+  ``get_batch_transfer_status([0])`` segfaults.
+- A peer that accepts the handshake connection but never answers holds the engine's
+  segment-map lock for ~61 s: every write of this engine, to any peer, waits behind it.
+  Deadlines fail the requests caught behind it in time but cannot unblock the engine,
+  so the exporter opens a peer's segment at pairing (a probe write), when the peer has
+  just proven alive, and never on a request's path.
+
+Security: the engine's RPC (handshake) port and its TCP data port listen on ALL
+interfaces without any authentication, even when it is initialised with 127.0.0.1; any
+host that can reach them can write into registered memory. Run it only on a trusted
+network (or firewall those ports). pdflow's own side channel binds 127.0.0.1 by default
+and rejects every frame that is not a well-formed typed message.
 """
 
 from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from pdflow.graph.units import UnitSpec
 from pdflow.spec import TransferSpec
 from pdflow.transfer.descriptors import Descriptors, UnitRegion
+from pdflow.transfer.errors import TransferError
+from pdflow.transfer.lanes import Lanes
+
+__all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError", "TransferStats"]
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU; needs Debian's libibverbs1) "
                 "or mooncake-transfer-engine (CUDA), never both")
+# Bytes per registration: strictly under 2 GiB.
+REGISTRATION_LIMIT = (1 << 31) - 1
 
 
-class TransferError(RuntimeError):
-    """The transfer engine refused or failed a write; nothing says the bytes landed."""
+def chunk_bytes(align: int, limit: int = REGISTRATION_LIMIT) -> int:
+    """The largest multiple of ``align`` (a unit's block bytes) that stays within ``limit``."""
+    if not 0 < align <= limit:
+        raise ValueError(f"one block of {align} bytes does not fit one registration of <= {limit} bytes")
+    return (limit // align) * align
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferStats:
+    """Counters of engine calls, for tests and the benchmark."""
+
+    calls: int = 0
+    failures: int = 0
 
 
 class MooncakeTransport:
-    def __init__(self, spec: TransferSpec, *, host: str = "127.0.0.1"):
+    def __init__(self, spec: TransferSpec, *, host: str = "127.0.0.1",
+                 registration_limit: int = REGISTRATION_LIMIT):
         if spec.backend != "mooncake":
             raise ValueError(f"MooncakeTransport serves transfer.backend=mooncake, not {spec.backend!r}")
+        if spec.protocol == "tcp":  # `protocol` only picks the allocator; discovery picks the transport
+            os.environ.setdefault("MC_FORCE_TCP", "1")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as err:  # the wheel, or a shared library it needs, is missing
             raise ImportError(f"Mooncake Transfer Engine unavailable ({err}); {INSTALL_HINT}") from err
         self.spec = spec
+        self.registration_limit = registration_limit
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", spec.protocol, spec.device)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned {rc}")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
-        self._registered: list[int] = []
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
+        self._registered: dict[int, list[int]] = {}  # tensor address -> its chunk addresses
+        self._lanes = Lanes()
 
-    def register(self, tensor: torch.Tensor) -> int:
-        """Make ``tensor``'s bytes readable and writable by peers; returns its address."""
+    # -- memory ---------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, *, align: int = 1) -> int:
+        """Make ``tensor``'s bytes readable and writable by peers, in chunks that are
+        multiples of ``align`` bytes; returns its address."""
         if not tensor.is_contiguous():
             raise ValueError("only contiguous tensors can be registered")
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        rc = self.engine.register_memory(addr, nbytes)
-        if rc != 0:
-            raise TransferError(f"register_memory({nbytes} bytes) returned {rc}")
-        self._registered.append(addr)
+        if addr in self._registered:
+            raise ValueError(f"memory at {addr:#x} is registered already")
+        step = chunk_bytes(align, self.registration_limit)
+        chunks: list[int] = []
+        for start in range(addr, addr + nbytes, step):
+            rc = self.engine.register_memory(start, min(step, addr + nbytes - start))
+            if rc != 0:
+                for done in chunks:
+                    self.engine.unregister_memory(done)
+                raise TransferError(f"register_memory({min(step, addr + nbytes - start)} bytes) returned {rc}")
+            chunks.append(start)
+        self._registered[addr] = chunks
         return addr
 
     def register_unit(self, unit: UnitSpec, cache: torch.Tensor) -> UnitRegion:
-        """Register one unit's cache tensor (laid out as ``unit.cache_shape``)."""
+        """Register one unit's cache tensor (laid out as ``unit.cache_shape``) in chunks of
+        whole blocks."""
         if tuple(cache.shape[1:]) != unit.cache_shape(cache.shape[0])[1:]:
             raise ValueError(f"{unit.name}: cache shape {tuple(cache.shape)} is not the unit's layout")
         if cache.element_size() != unit.itemsize:
             raise ValueError(f"{unit.name}: {cache.dtype} elements are not {unit.itemsize} bytes")
         # register() refuses a non-contiguous tensor, so block b starts b * bytes_per_block in.
-        return UnitRegion(base=self.register(cache), block_bytes=unit.bytes_per_block,
-                          num_blocks=cache.shape[0])
+        base = self.register(cache, align=unit.bytes_per_block)
+        per_chunk = chunk_bytes(unit.bytes_per_block, self.registration_limit) // unit.bytes_per_block
+        return UnitRegion(base=base, block_bytes=unit.bytes_per_block, num_blocks=cache.shape[0],
+                          chunk_blocks=min(per_chunk, cache.shape[0]))
 
-    def write(self, peer: str, descriptors: Descriptors) -> None:
-        """Write every descriptor to ``peer`` (a session id), ``descriptor_batch`` at a time."""
+    def unregister(self, addr: int) -> None:
+        """Drop a registration made by ``register`` (every chunk of it)."""
+        for chunk in self._registered.pop(addr, []):
+            self.engine.unregister_memory(chunk)
+
+    def unregister_chunk(self, chunk_addr: int) -> None:
+        """Drop one chunk of a registration (a fault injection for tests)."""
+        for chunks in self._registered.values():
+            if chunk_addr in chunks:
+                chunks.remove(chunk_addr)
+                self.engine.unregister_memory(chunk_addr)
+                return
+        raise KeyError(f"no registered chunk at {chunk_addr:#x}")
+
+    def unregister_all(self) -> None:
+        for addr in list(self._registered):
+            self.unregister(addr)
+
+    # -- writes ---------------------------------------------------------------------
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        """A ``time.monotonic()`` deadline ``timeout_s`` (default: the spec's) from now."""
+        return time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
+
+    def run(self, peer: str, job: Callable[[float], object], *, deadline: float, what: str = "transfer") -> Future:
+        """Run ``job(deadline)`` on ``peer``'s lane, off the caller's thread. The future
+        fails with ``TransferError`` at ``deadline`` if the job has not finished."""
+        return self._lanes.submit(peer, job, deadline=deadline, what=what)
+
+    def write(self, peer: str, descriptors: Descriptors, *, timeout_s: float | None = None) -> None:
+        """Write every descriptor to ``peer`` (a session id) on its lane; raises
+        ``TransferError`` on a persistent failure or at the deadline."""
+        deadline = self.deadline(timeout_s)
+        future = self.run(peer, lambda d: self.write_now(peer, descriptors, d), deadline=deadline, what="write")
+        future.result()  # the watchdog settles it by the deadline
+
+    def write_now(self, peer: str, descriptors: Descriptors, deadline: float) -> None:
+        """Write on the calling thread, which blocks: call it inside a ``run`` job."""
         for src, dst, length in descriptors.batches(self.spec.descriptor_batch):
+            self._write_batch(peer, src, dst, length, deadline)
+
+    def _write_batch(self, peer: str, src: list[int], dst: list[int], length: list[int], deadline: float) -> None:
+        rc = None
+        for attempt in range(self.spec.retries + 1):
+            if attempt:
+                pause = self.spec.retry_backoff_s * (2 ** (attempt - 1))
+                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise TransferError(f"write of {len(length)} runs to {peer}: deadline passed "
+                                    f"after {attempt} attempts (last rc {rc})")
             rc = self.engine.batch_transfer_sync_write(peer, src, dst, length)
-            if rc != 0:
-                raise TransferError(f"write of {len(length)} runs ({sum(length)} bytes) to {peer} "
-                                    f"returned {rc}")
+            with self._stats_lock:
+                self.stats.calls += 1
+                self.stats.failures += rc != 0
+            if rc == 0:
+                return
+        raise TransferError(f"write of {len(length)} runs ({sum(length)} bytes) to {peer} returned {rc} "
+                            f"{self.spec.retries + 1} times")
 
     def close(self) -> None:
-        for addr in self._registered:
-            self.engine.unregister_memory(addr)
-        self._registered = []
+        self.unregister_all()
+        self._lanes.close()
