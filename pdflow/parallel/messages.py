@@ -91,6 +91,8 @@ class UnitAddress(msgspec.Struct, kw_only=True):
     base: int
     block_bytes: int
     num_blocks: int
+    # Blocks per registered chunk (a descriptor stays inside one); 0: one chunk.
+    chunk_blocks: int
     family: str
     field: str
     layer: int

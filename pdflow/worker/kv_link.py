@@ -33,7 +33,7 @@ class PairingRefused(RuntimeError):
 def _address(unit: UnitSpec, region: UnitRegion) -> UnitAddress:
     return UnitAddress(
         name=unit.name, base=region.base, block_bytes=region.block_bytes,
-        num_blocks=region.num_blocks, family=unit.family, field=unit.field, layer=unit.layer,
+        num_blocks=region.num_blocks, chunk_blocks=region.chunk_blocks, family=unit.family, field=unit.field, layer=unit.layer,
         heads=list(unit.heads), head_dim=unit.head_dim,
         dtype=unit.dtype, page_tokens=unit.page_tokens, block_size=unit.block_size,
     )
@@ -100,8 +100,8 @@ class KVLink:
             written = {dst for g in cut.groups for _, dst in g.units}
             expected = {u.name: u for u in consumer.units if u.name in written}
             check_endpoint(expected, endpoint, consumer.label)
-            regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks)
-                       for u in endpoint.units}
+            regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
+                                          chunk_blocks=u.chunk_blocks) for u in endpoint.units}
             peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
         self.peers = peers
 
