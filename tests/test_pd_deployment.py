@@ -162,3 +162,18 @@ def test_consumer_killed_frees_the_producers_blocks_and_the_producer_serves_on()
         assert d.producer.num_free_kv_blocks == d.producer.num_kv_blocks
         again = _serve_one(d, _prompts()[2])  # the prefill instance decodes it alone
         assert again.error is None and len(again.token_ids) == GREEDY.max_tokens
+
+
+def test_abort_while_the_kv_is_on_its_way_frees_blocks_after_the_transfer():
+    spec = compose([*SMALL, "prefill=tp1", "decode=tp1"])
+    with Deployment(spec) as d:
+        a, b = d.submit([_prompts()[1], _prompts()[2]], GREEDY)
+        outputs = d.run()
+        first = next(outputs)  # both were admitted; one prefill has landed
+        pending = b if first.request_id == a else a
+        assert d.abort(pending) and not d.abort("nope")
+        rest = [first, *outputs]
+        assert any(o.request_id == pending and o.finish_reason == "abort" for o in rest)
+        assert not any(o.request_id == pending and o.token_id >= 0 for o in rest[1:])
+        assert all(free == total for free, total in _pools(d))
+        assert d.generate([_prompts()[0]], GREEDY)[0].error is None

@@ -40,6 +40,8 @@ class _Request:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    # Aborted while its KV may still be on the way: ended once the transfer is settled.
+    aborted: bool = False
 
 
 class Deployment:
@@ -63,6 +65,8 @@ class Deployment:
         self._ids = itertools.count()
         self._queue: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
+        # Requests whose RequestOutput ``generate`` will build; others are dropped at the end.
+        self._keep: set[str] = set()
         # Why an instance was lost (it serves nothing more); None while it is up.
         self.lost: dict[str, str | None] = {PRODUCER: None, CONSUMER: None}
 
@@ -102,8 +106,10 @@ class Deployment:
                  sampling: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
         """Outputs in prompt order."""
         ids = self.submit(prompts, sampling)
+        self._keep.update(ids)
         for _ in self.run():
             pass
+        self._keep.difference_update(ids)
         return [self._output(self._requests.pop(rid)) for rid in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
@@ -119,6 +125,27 @@ class Deployment:
                 yield from self._guarded(PRODUCER, self._step_producer)
             if self._up(CONSUMER) and self.consumer.has_unfinished():
                 yield from self._guarded(CONSUMER, self.consumer.step)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now. One whose prompt KV may be in flight to the consumer ends
+        when that transfer settles, so its blocks are never reused under a late write."""
+        req = self._requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return False
+        if req in self._queue:
+            self._queue.remove(req)
+            req.finish_reason = "abort"
+            self._settle(req)
+            return True
+        if self.consumer is not None and request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
+            req.aborted = True
+            return True
+        done = any(e.abort(request_id) for r, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))
+                   if e is not None and self._up(r))
+        if done:
+            req.finish_reason = "abort"
+            self._settle(req)
+        return done
 
     # -- internals ----------------------------------------------------------------------
 
@@ -161,7 +188,14 @@ class Deployment:
                 yield self._record(out)  # served whole by the producer (the consumer is lost)
                 continue
             failed = self.producer.export_results.pop(out.request_id)
-            if failed is not None:
+            req = self._requests.get(out.request_id)
+            if req is not None and req.aborted:  # the transfer has settled: free the blocks now
+                self.consumer.fail_remote(out.request_id, "abort")
+                req.finish_reason = "abort"
+                self._settle(req)
+                yield TokenOutput(request_id=out.request_id, index=-1, token_id=-1, logprob=0.0,
+                                  finished=True, finish_reason="abort")
+            elif failed is not None:
                 self.consumer.fail_remote(out.request_id)
                 yield self._fail(out.request_id, f"KV transfer failed: {failed}")
             else:
@@ -201,12 +235,18 @@ class Deployment:
             req.text += out.text
             if out.finished:
                 req.finish_reason = out.finish_reason
+                self._settle(req)
         return out
+
+    def _settle(self, req: _Request) -> None:
+        if req.request_id not in self._keep:
+            self._requests.pop(req.request_id, None)
 
     def _fail(self, request_id: str, why: str) -> TokenOutput:
         req = self._requests.get(request_id)
         if req is not None:
             req.finish_reason, req.error = "error", why
+            self._settle(req)
         return TokenOutput(request_id=request_id, index=-1, token_id=-1, logprob=0.0, finished=True,
                            finish_reason="error", error=why)
 
@@ -217,6 +257,27 @@ class Deployment:
         )
 
     # -- reporting ----------------------------------------------------------------------
+
+    @property
+    def _front(self) -> LLMEngine:
+        """The instance requests meet: the consumer (the producer when serving alone)."""
+        return self.consumer if self.consumer is not None and self._up(CONSUMER) else self.producer
+
+    @property
+    def max_model_len(self) -> int:
+        return min(e.max_model_len for e in (self.producer, self.consumer) if e is not None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._front.config.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._front.num_kv_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self._front.num_free_kv_blocks
 
     def free_kv_blocks(self) -> dict[str, int]:
         """Free blocks of each live instance (equal to its pool when idle: no leak)."""
