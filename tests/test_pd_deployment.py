@@ -115,14 +115,14 @@ def _instances(producer_overrides, consumer_overrides):
     (["model.head_dim=32", "model.hidden=256"], Code.UNIT_MISMATCH_HEAD_DIM),
 ])
 def test_a_consumer_whose_units_disagree_is_refused_at_pairing(consumer, code):
-    from pdflow.worker.kv_link import PairingRefused
+    from pdflow.transfer.errors import PairingRefused
 
     producer, decode = _instances([], consumer)
     with producer, decode:
         before = {n: t.clone() for n, t in decode.kv_caches().items()}
         with pytest.raises(PairingRefused) as refused:
             producer.pair(decode.open_kv_link())
-        assert refused.value.code == code
+        assert refused.value.refusals[0].code == code
         assert all(torch.equal(before[n], t) for n, t in decode.kv_caches().items())
 
 

@@ -11,13 +11,23 @@ from __future__ import annotations
 import torch
 
 from pdflow.engine.executor import Executor, make_executor
-from pdflow.graph import CONSUMER, PRODUCER, Code, InstancePlan, RankPlan, UnitSpec, build_graph, parallel_of
+from pdflow.graph import (
+    CONSUMER,
+    PRODUCER,
+    Code,
+    InstancePlan,
+    RankPlan,
+    Refusal,
+    UnitSpec,
+    build_graph,
+    parallel_of,
+)
 from pdflow.model.loader import model_config
 from pdflow.model.tokenizer import load_tokenizer
 from pdflow.parallel.messages import KVEndpoint, KVLinkOpened, OpenKVLink, PairConsumer, Paired
 from pdflow.spec import RunSpec
+from pdflow.transfer.errors import PairingRefused
 from pdflow.worker.executors import InProcessExecutor
-from pdflow.worker.kv_link import PairingRefused
 from pdflow.worker.stage import served_max_model_len
 
 ROLES = (PRODUCER, CONSUMER)
@@ -71,11 +81,12 @@ class Instance:
         write against its plan. Raises ``PairingRefused`` (nothing written) on a mismatch."""
         if self.role != PRODUCER:
             raise ValueError(f"only a producer pairs with a consumer; this is the {self.role}")
+        refusals = []
         for answer in self._executor().control(PairConsumer(endpoints=consumer)):
-            paired = _expect(answer, Paired, self.role)
-            if paired.code:
-                raise PairingRefused(Code(paired.code) if paired.code in Code.__members__ else paired.code,
-                                     paired.error.partition(": ")[2] or paired.error)
+            refusals += [Refusal(code=Code(r.code), message=r.message, fix=r.fix)
+                         for r in _expect(answer, Paired, self.role).refusals]
+        if refusals:
+            raise PairingRefused(refusals)
 
     def _executor(self) -> Executor:
         if self.executor is None:

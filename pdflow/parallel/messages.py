@@ -125,11 +125,16 @@ class PairConsumer(msgspec.Struct, tag=True, kw_only=True):
     endpoints: list[KVEndpoint]
 
 
+class RefusalInfo(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+    fix: str
+
+
 class Paired(msgspec.Struct, tag=True, kw_only=True):
     rank: int
-    # Empty when paired; else the refusal code and why (nothing was written).
-    code: str = ""
-    error: str = ""
+    # Empty when paired; else every reason the rank refused (nothing was written).
+    refusals: list[RefusalInfo] = []
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
     reason: str = ""

@@ -4,8 +4,17 @@ open its KV link (register the pool with the transfer engine) and pair with cons
 from __future__ import annotations
 
 from pdflow.graph import RunGraph
-from pdflow.parallel.messages import ControlMessage, KVLinkOpened, Message, OpenKVLink, PairConsumer, Paired
-from pdflow.worker.kv_link import KVLink, PairingRefused
+from pdflow.parallel.messages import (
+    ControlMessage,
+    KVLinkOpened,
+    Message,
+    OpenKVLink,
+    PairConsumer,
+    Paired,
+    RefusalInfo,
+)
+from pdflow.transfer.errors import PairingRefused
+from pdflow.worker.kv_link import KVLink
 from pdflow.worker.stage import Stage
 
 
@@ -18,6 +27,7 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
         try:
             stage.link.pair(msg.endpoints)
         except PairingRefused as err:
-            return Paired(rank=rank, code=str(err.code), error=str(err))
+            return Paired(rank=rank, refusals=[RefusalInfo(code=str(r.code), message=r.message, fix=r.fix)
+                                               for r in err.refusals])
         return Paired(rank=rank)
     raise TypeError(f"rank {rank} cannot handle {type(msg).__name__}")

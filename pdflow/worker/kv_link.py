@@ -15,19 +15,13 @@ import dataclasses
 
 import torch
 
-from pdflow.graph import CONSUMER, PRODUCER, Code, CutPlan, RunGraph, UnitSpec
+from pdflow.graph import CONSUMER, PRODUCER, Code, CutPlan, Refusal, RunGraph, UnitSpec
+from pdflow.graph.regions import unit_mismatches
 from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
+from pdflow.transfer.errors import PairingRefused
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.worker.faults import inject_fault
-
-
-class PairingRefused(RuntimeError):
-    """A consumer's published units disagree with the producer's plan."""
-
-    def __init__(self, code: Code, message: str):
-        self.code = code
-        super().__init__(f"{code}: {message}")
 
 
 def _address(unit: UnitSpec, region: UnitRegion) -> UnitAddress:
@@ -39,34 +33,33 @@ def _address(unit: UnitSpec, region: UnitRegion) -> UnitAddress:
     )
 
 
-# (published field, the expected unit's attribute, refusal code), checked in this order.
-_CHECKS = (
-    ("head_dim", "head_dim", Code.UNIT_MISMATCH_HEAD_DIM),
-    ("dtype", "dtype", Code.UNIT_MISMATCH_DTYPE),
-    ("page_tokens", "page_tokens", Code.UNIT_MISMATCH_PAGE),
-    ("block_size", "block_size", Code.UNIT_MISMATCH_BLOCK),
-)
+def _published_unit(address: UnitAddress) -> UnitSpec:
+    return UnitSpec(family=address.family, field=address.field, layer=address.layer,
+                    heads=tuple(address.heads), head_dim=address.head_dim, dtype=address.dtype,
+                    page_tokens=address.page_tokens, block_size=address.block_size)
 
 
-def check_endpoint(expected: dict[str, UnitSpec], endpoint: KVEndpoint, rank_label: str) -> None:
-    """Refuse an endpoint whose units are not the ones the plan writes into."""
-    # By (family, field, layer): a unit of another geometry is a mismatch, not a gap.
+def endpoint_refusals(expected: dict[str, UnitSpec], endpoint: KVEndpoint, rank_label: str) -> list[Refusal]:
+    """Every reason to refuse an endpoint whose units are not the ones the plan writes into
+    (the graph's unit checks, matched by family, field and layer: a unit of another
+    geometry is a mismatch, not a gap)."""
     published = {(u.family, u.field, u.layer): u for u in endpoint.units}
+    refusals = []
     for name, unit in expected.items():
         got = published.get((unit.family, unit.field, unit.layer))
         if got is None:
-            raise PairingRefused(Code.REGION_MISSING,
-                                 f"consumer rank {rank_label} publishes no unit {name}")
-        for field, attr, code in _CHECKS:
-            if getattr(got, field) != getattr(unit, attr):
-                raise PairingRefused(code, f"{name} on consumer rank {rank_label}: {field} "
-                                           f"{getattr(got, field)} but the plan has {getattr(unit, attr)}")
-        if tuple(got.heads) != unit.heads:
-            raise PairingRefused(Code.UNIT_MISMATCH_HEADS, f"{name} on consumer rank {rank_label}: "
-                                                           f"heads {got.heads} but the plan has {list(unit.heads)}")
-        if got.block_bytes != unit.bytes_per_block:
-            raise PairingRefused(Code.UNIT_MISMATCH_BLOCK, f"{name} on consumer rank {rank_label}: "
-                                                           f"{got.block_bytes} bytes per block, plan {unit.bytes_per_block}")
+            refusals.append(Refusal(code=Code.REGION_MISSING,
+                                    message=f"consumer rank {rank_label} publishes no unit {name}.",
+                                    fix="build both instances from the same run spec."))
+            continue
+        refusals += unit_mismatches(unit, _published_unit(got),
+                                    pair=f"plan unit {name} -> consumer rank {rank_label} unit {got.name}")
+        if not refusals and got.block_bytes != unit.bytes_per_block:
+            refusals.append(Refusal(code=Code.PAIRING_REGION_INVALID,
+                                    message=f"{got.name} on consumer rank {rank_label} has {got.block_bytes} "
+                                    f"bytes per block, the plan {unit.bytes_per_block}.",
+                                    fix="build both instances from the same run spec."))
+    return refusals
 
 
 class KVLink:
@@ -95,11 +88,15 @@ class KVLink:
             consumer = self.graph.rank(CONSUMER, cut.consumer_rank)
             endpoint = by_rank.get(cut.consumer_rank)
             if endpoint is None:
-                raise PairingRefused(Code.REGION_MISSING, f"no endpoint for consumer rank {consumer.label}")
+                raise PairingRefused([Refusal(code=Code.PAIRING_RANK_UNKNOWN,
+                                              message=f"no endpoint for consumer rank {consumer.label}.",
+                                              fix="pair with every rank of the consumer instance.")])
             cut = self._bound_part(cut)
             written = {dst for g in cut.groups for _, dst in g.units}
             expected = {u.name: u for u in consumer.units if u.name in written}
-            check_endpoint(expected, endpoint, consumer.label)
+            refusals = endpoint_refusals(expected, endpoint, consumer.label)
+            if refusals:
+                raise PairingRefused(refusals)
             regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
                                           chunk_blocks=u.chunk_blocks) for u in endpoint.units}
             peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
