@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from pdflow.engine.sampler import sampling_probs
 
 from pdflow.parallel.messages import SamplingSpec
 from pdflow.spec_decode.sampling import SamplingBatch, draft_tokens, filtered_probs, sample_with
+from pdflow.worker.sampler import sampling_probs
 
 # The module (the package exports its ``verify`` function under the same name).
 V = importlib.import_module("pdflow.spec_decode.verify")

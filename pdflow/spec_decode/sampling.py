@@ -1,7 +1,7 @@
 """Per-row sampling rules for speculative decoding, vectorised over rows.
 
 The filtering (temperature, then top-k, then top-p, renormalised) is the target
-sampler's rule (``pdflow.engine.sampler.sampling_probs``) applied to many rows at once
+sampler's rule (``pdflow.worker.sampler.sampling_probs``) applied to many rows at once
 with per-row settings: verification must accept against exactly the distribution the
 target would sample from, or the output distribution shifts. Tests check the two agree.
 Random draws come from each request's own generator (seeded requests) so a row's
