@@ -35,6 +35,7 @@ class InProcessExecutor:
             torch.cuda.set_device(device)
         self.graph, self.role = graph, role
         self.stage: Stage | None = build_stage(graph, role, 0, device)
+        self.stage.warm_up()
         self._done: deque[StepOutput] = deque()
 
     def submit(self, step: StepInput) -> None:

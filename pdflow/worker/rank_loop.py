@@ -48,6 +48,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     set_tp_group(mine if par.tp > 1 else None)
 
     stage = build_stage(graph, role, ctx.rank, device)
+    stage.warm_up()
     hidden_size, dtype = stage.config.hidden_size, TORCH_DTYPES[spec.model.dtype]
     relayed_in = len(plan.stages[me.stage - 1].taps_relayed) if me.stage > 0 else 0
     relays_out = bool(plan.stages[me.stage].taps_relayed)

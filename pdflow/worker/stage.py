@@ -15,6 +15,7 @@ import torch
 
 from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
+from pdflow.attention.metadata import AttentionMetadata
 from pdflow.graph import RankPlan, RunGraph, parallel_of
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
@@ -24,6 +25,9 @@ from pdflow.spec import ParallelSpec
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
 from pdflow.worker.kv_link import KVLink
 from pdflow.worker.stage_runner import StageRunner
+
+# Tokens of the start-up prefill: enough to take the kernels' prefill paths.
+WARM_UP_TOKENS = 512
 
 
 def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
@@ -60,6 +64,12 @@ class Stage:
     kv: KVCacheBinding
     runner: StageRunner
     graphs: DecodeGraphRunner | None
+    # Width of the hidden states this stage receives (None on the first stage: token ids),
+    # and how many relayed tap rows come with them.
+    hidden_in: int | None = None
+    relayed_in: int = 0
+    # Tokens of the start-up prefill that compiles the kernels (0: no warm-up).
+    warm_tokens: int = 0
     # P/D: this rank's end of the KV transfer, once the owner opened it.
     link: KVLink | None = None
 
@@ -71,6 +81,34 @@ class Stage:
             return hidden, taps, True
         hidden, taps = self.runner.forward(inputs, positions, meta, taps_in)
         return hidden, taps, False
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """On a GPU, compile the kernels with one prefill that writes nothing (every slot
+        -1) and capture the decode graphs now, so the first request runs as fast as the
+        hundredth. Every TP peer of the stage calls it at start, together."""
+        device = self.runner.device
+        if device.type != "cuda" or not self.warm_tokens:
+            return
+        n, dtype = self.warm_tokens, self.kv.caches[next(iter(self.kv.caches))].dtype
+        if self.hidden_in is None:
+            inputs = torch.zeros(n, dtype=torch.int64, device=device)
+        else:
+            inputs = torch.zeros(n, self.hidden_in, dtype=dtype, device=device)
+        taps = (torch.zeros(n, self.relayed_in * self.hidden_in, dtype=dtype, device=device)
+                if self.relayed_in else None)
+        block = self.kv.units[next(iter(self.kv.units))].block_size
+        meta = AttentionMetadata(
+            decode_only=False, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=torch.arange(-(-n // block), dtype=torch.int32, device=device)[None],
+            max_seqlen_q=n,
+        )
+        self.runner.forward(inputs, torch.arange(n, device=device), meta, taps)
+        if self.graphs is not None:
+            self.graphs.capture()
+        torch.cuda.synchronize(device)
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """This rank's KV pool, one tensor per unit name (what a KV transfer registers)."""
@@ -111,14 +149,17 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
     kv = KVCacheBinding(list(me.target_units), graph.budgets[role].pool_blocks, device)
     kv.bind(model.attention_layers(), get_backend(par.attention_backend))
     runner = StageRunner(model, device, capture_layers=stage.taps_captured)
+    first = me.stage == 0
+    hidden_in = None if first else cfg.hidden_size
+    relayed_in = 0 if first else len(plan.stages[me.stage - 1].taps_relayed)
     graphs = None
     if not par.enforce_eager and graphs_supported(model, device):
         width = -(-served_max_model_len(graph, role, cfg) // par.block_size)
-        first = me.stage == 0
-        relayed_in = 0 if first else len(plan.stages[me.stage - 1].taps_relayed)
         graphs = DecodeGraphRunner(
             runner, max_batch=par.max_num_seqs, block_table_width=width,
-            hidden_size=None if first else cfg.hidden_size, relayed_in=relayed_in, dtype=dtype,
+            hidden_size=hidden_in, relayed_in=relayed_in, dtype=dtype,
         )
+    pool_tokens = graph.budgets[role].pool_blocks * par.block_size
+    warm = min(WARM_UP_TOKENS, par.max_num_batched_tokens, pool_tokens)
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
-                 graphs=graphs)
+                 graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm)
