@@ -21,12 +21,18 @@ USAGE = """usage: pdflow <command> [options] [hydra overrides...]
 commands:
   plan [--json]   show and validate the run graph (stages, heads, drafter taps, KV units,
                   head cuts, block budgets, refusals); -m sweeps print one plan per job
+  serve           start the OpenAI-compatible API (Ctrl-C stops; serve.port, serve.api_key)
+  run             serve, run the workload against the API, log to MLflow; -m sweeps
+  compare         a sweep's runs from MLflow as a markdown table and a plot (--help)
 
 examples:
   pdflow plan
   pdflow plan +experiment=ref_pp4_tp4_dspark
   pdflow plan prefill=pp4 decode=tp4 drafter=eagle3     # refused: EAGLE3_UNDER_PP
   pdflow plan -m prefill=pp4,tp4 drafter=dspark,none
+  pdflow serve decode=tp1 serve.port=8000
+  pdflow run -m prefill=pp2,tp2 drafter=dspark,none workload=arith
+  pdflow compare --by prefill,drafter
 """
 
 # Flags Hydra's parser must not see, and what the jobs found (a sweep runs several).
@@ -47,7 +53,25 @@ def _plan(cfg: DictConfig) -> None:
         print(GraphRefused(graph.refusals), file=sys.stderr)
 
 
-COMMANDS = {"plan": _plan}
+def _serve() -> None:
+    from pdflow.cli_serve import main as serve_main
+
+    serve_main()
+
+
+def _run() -> None:
+    from pdflow.cli_run import main as run_main
+
+    run_main()
+
+
+def _compare() -> None:
+    from pdflow.tracking.compare import main as compare_main
+
+    raise SystemExit(compare_main(sys.argv[1:]))
+
+
+COMMANDS = {"plan": _plan, "serve": _serve, "run": _run, "compare": _compare}
 
 
 def main(argv: list[str] | None = None) -> None:
