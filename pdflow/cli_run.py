@@ -77,17 +77,17 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tree = OmegaConf.to_container(cfg, resolve=True)
-    with TrackedRun(_tracking_of(tree), run_name=_run_name(cfg), tags={"pdflow.command": "run"}) as tracked:
+    tags = {"pdflow.command": "run", "pdflow.workload": str(tree.get("workload", {}).get("kind"))}
+    with TrackedRun(_tracking_of(tree), run_name=_run_name(cfg), tags=tags) as tracked:
         tracked.log_config(tree, OmegaConf.to_yaml(OmegaConf.create(redact(tree))))
         spec = spec_from_config(cfg)
         graph = build_graph(spec)
         tracked.log_json("plan.json", graph.to_dict())
         if graph.refusals:
-            tracked.set_tag("pdflow.refusals", ",".join(sorted(c.name for c in graph.codes)))
+            tracked.set_tag("pdflow.refusals", ",".join(sorted(c.name for c in graph.codes())))
             raise GraphRefused(graph.refusals)
         workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
-        tracked.set_tag("pdflow.workload", spec.workload.kind)
         with serve_spec(spec, port=0) as served:
             target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
             result = run_workloads_sync(target, prepared, spec.workload)

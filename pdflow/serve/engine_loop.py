@@ -90,6 +90,8 @@ class EngineLoop:
 
     def submit(self, ticket: Ticket) -> None:
         self._inbox.put(("submit", ticket))
+        if not self._thread.is_alive() and (self.error is not None or self._stop.is_set()):
+            self._fail_inbox()  # nobody will take it: answer now rather than never
 
     def abort(self, ticket: Ticket) -> None:
         ticket.cancelled = True
@@ -189,4 +191,5 @@ class EngineLoop:
             except queue.Empty:
                 return
             if command is not None and command[0] == "submit":
-                command[1].deliver(StreamEvent(error="server is shutting down", error_status=503))
+                reason = f"engine failed: {self.error}" if self.error else "server is shutting down"
+                command[1].deliver(StreamEvent(error=reason, error_status=503))

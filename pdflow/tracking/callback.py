@@ -37,12 +37,15 @@ def close_open_sweeps() -> None:
     for run_id, uri in list(_open.items()):
         _open.pop(run_id, None)
         client = store.client(uri)
+        from mlflow.entities import RunTag
+
         run = client.get_run(run_id)
         children = client.search_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run_id}'")
         statuses = [c.info.status for c in children]
         ok = bool(statuses) and all(s == "FINISHED" for s in statuses)
-        client.set_tag(run_id, "pdflow.sweep.children", str(len(statuses)))
-        client.set_tag(run_id, "pdflow.sweep.failed", str(sum(s == "FAILED" for s in statuses)))
+        failed = sum(s == "FAILED" for s in statuses)
+        client.log_batch(run_id, tags=[RunTag("pdflow.sweep.children", str(len(statuses))),
+                                       RunTag("pdflow.sweep.failed", str(failed))])
         try:
             from pdflow.tracking.compare import comparison_markdown
 

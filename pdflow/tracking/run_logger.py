@@ -64,8 +64,12 @@ class TrackedRun:
             self._client.set_tag(self.run_id, key, fit_value(value, MAX_TAG_VALUE))
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.set_tag(key, value)
+        """One write for all of them (each write to a sqlite store is a transaction)."""
+        if self.enabled and tags:
+            from mlflow.entities import RunTag
+
+            batch = [RunTag(k, fit_value(v, MAX_TAG_VALUE)) for k, v in tags.items()]
+            self._client.log_batch(self.run_id, tags=batch)
 
     def log_config(self, tree: dict, yaml_text: str) -> None:
         """Params flattened from the resolved config, and the config itself as YAML."""

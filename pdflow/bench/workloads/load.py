@@ -75,7 +75,8 @@ class ServeWorkload:
 class ReplayWorkload:
     """A JSONL trace, one request per line: ``arrival_s`` (seconds; sorted and made
     relative to the first), ``prompt`` (text or token ids) or ``prompt_tokens`` (a random
-    prompt of that length), optional ``max_tokens``. Arrivals scale by ``time_scale``."""
+    prompt of that length), optional ``max_tokens`` (outputs run to it, as the traced ones
+    did). Arrivals scale by ``time_scale``."""
 
     name = "replay"
     KEYS = {"arrival_s", "prompt", "prompt_tokens", "max_tokens"}
@@ -132,7 +133,7 @@ class ReplayWorkload:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise TraceError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
         return WorkRequest(prompt=prompt, max_tokens=max_tokens, temperature=self.spec.temperature,
-                           arrival_s=float(arrival))
+                           ignore_eos=True, arrival_s=float(arrival))
 
     def score(self, requests: list[WorkRequest], results: list[RequestResult]):
         late = [r.sent_at_s - q.arrival_s for q, r in zip(requests, results, strict=True)]
