@@ -97,16 +97,6 @@ def test_sweep_is_one_parent_with_a_child_per_job_failures_included(launch_dir):
     assert (tmp_path / "pdflow-compare.png").stat().st_size > 0
 
 
-def test_experiments_sweep_their_own_choices(tmp_path):
-    done = pdflow(tmp_path, "plan", "-m", "+experiment=ref_prefill_cost")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("allowed: no refusals") == 4
-    jobs = re.findall(r"#\d+ : (.*)", done.stdout + done.stderr)
-    assert {tuple(sorted(j.split()[:2])) for j in jobs} == {
-        (f"drafter={d}", f"prefill={p}") for p in ("pp4", "tp4") for d in ("dspark", "none")}
-    assert not (tmp_path / "mlflow.db").exists()  # plan sweeps log nothing
-
-
 def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", "decode=tp1", "drafter=none",
                              "serve.port=0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -24,7 +25,8 @@ class ScriptedBackend:
     max_model_len, vocab_size, tokenizer = 64, 100, None
     num_kv_blocks = 8
 
-    def __init__(self, *, fail_after: int | None = None, draft: bool = False):
+    def __init__(self, *, fail_after: int | None = None, draft: bool = False, step_s: float = 0.0):
+        self.step_s = step_s
         self.running: dict[str, list] = {}
         self.ids = 0
         self.steps = 0
@@ -49,6 +51,7 @@ class ScriptedBackend:
         return self.running.pop(request_id, None) is not None
 
     def step(self):
+        time.sleep(self.step_s)
         self.steps += 1
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("device lost")
@@ -172,3 +175,15 @@ def test_prompt_text_needs_a_tokenizer(scripted_server):
     r = httpx.post(url + "/v1/chat/completions",
                    json={"model": "script", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_answer_aborts_it(scripted_server):
+    backend = ScriptedBackend(step_s=0.05)
+    url = scripted_server(backend)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": "script", "prompt": [1], "max_tokens": 60}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not backend.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.aborted == ["1"] and not backend.running
+    assert 'pdflow_requests_total{outcome="abort"} 1.0' in httpx.get(url + "/metrics").text

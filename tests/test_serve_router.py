@@ -124,3 +124,15 @@ def test_disconnect_through_the_router_aborts_at_the_instance(tiny_server):
         while aborted() == before and time.monotonic() < deadline:
             time.sleep(0.2)
     assert aborted() == before + 1
+
+
+def test_serve_spec_with_backends_is_a_router(tiny_server):
+    from pdflow.serve.launch import serve_spec
+    from pdflow.spec.load import compose_spec
+
+    spec = compose_spec([f"serve.backends=[{tiny_server.url}]", "serve.port=0"])
+    with serve_spec(spec) as served:
+        assert served.backends == (tiny_server.url,)
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        assert r.choices[0].text == tiny_server.oracle[PROMPTS[0]].text
