@@ -190,11 +190,48 @@ def plan_command(args: list[str]) -> int:
     return code or _plan_state.outcome.exit_code("plan")
 
 
+def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
+    """A command whose ``module.main()`` is a Hydra app over the overrides in sys.argv."""
+
+    def run(args: list[str]) -> int:
+        import importlib
+
+        if "-h" in args or "--help" in args:
+            print(importlib.import_module(module).__doc__)
+            return EXIT_OK
+        try:
+            return run_hydra_app(importlib.import_module(module).main, name, args)
+        except GraphRefused as refused:
+            print(f"pdflow {name}: {refused}", file=sys.stderr)
+            return EXIT_REFUSED
+
+    return run
+
+
+def compare_command(args: list[str]) -> int:
+    from pdflow.tracking.compare import main as compare_main
+
+    return compare_main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         summary="show and check the run graph (stages, heads, drafter taps, KV units, head "
         "cuts, block budgets, refusals); --json, -m sweeps",
         run=plan_command,
+    ),
+    "run": Command(
+        summary="launch the deployment, run the workload against its API, print the results, "
+        "log them to MLflow; -m sweeps (one child run per job)",
+        run=hydra_command("pdflow.cli_run", "run"),
+    ),
+    "serve": Command(
+        summary="launch the deployment behind an OpenAI-compatible API until Ctrl-C",
+        run=hydra_command("pdflow.cli_serve", "serve"),
+    ),
+    "compare": Command(
+        summary="a sweep's MLflow runs as a markdown table and a plot (--help)",
+        run=compare_command,
     ),
 }
 

@@ -25,3 +25,22 @@ def graph_of():
         return build_graph(compose_spec(list(overrides)))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """The shipped tiny model served over HTTP (tests/serve_fixtures.py)."""
+    from serve_fixtures import tiny_server as serve
+
+    with serve() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory):
+    """A migrated, empty MLflow sqlite file; copy it to ``<dir>/mlflow.db`` to use it."""
+    from serve_fixtures import migrated_store
+
+    folder = tmp_path_factory.mktemp("mlflow-template")
+    migrated_store(folder)
+    return folder / "mlflow.db"

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. Each may import anything listed before it.
 ORDER = ["spec", "graph", "kernels", "parallel", "transfer", "attention", "model", "spec_decode",
-         "worker", "engine", "bench", "tracking", "serve", "cli"]
+         "worker", "engine", "bench", "tracking", "serve", "cli", "cli_run", "cli_serve"]
 RANK = {name: i for i, name in enumerate(ORDER)}
 
 

@@ -1,4 +1,4 @@
-"""Workload, tracking, and the root spec that one composed Hydra config becomes."""
+"""Workload, serving, tracking, and the root spec that one composed Hydra config becomes."""
 
 from __future__ import annotations
 
@@ -11,20 +11,89 @@ from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
 from pdflow.spec.transfer import TransferSpec
 
+WORKLOAD_KINDS = ("none", "arith", "needle", "accuracy", "prefill", "serve", "replay")
+
+
+def _check_range(name: str, pair: list[int]) -> None:
+    if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
+        raise ValueError(f"workload.{name} must be [min, max] with 1 <= min <= max, got {list(pair)}")
+
 
 @dataclass(kw_only=True, slots=True)
 class WorkloadSpec:
-    """What ``pdflow run`` drives through the deployment (filled in by later issues)."""
+    """What ``pdflow run`` drives through the served API (pdflow/bench/workloads).
+
+    ``kind``: ``arith`` (k-shot problems, strict/flexible accuracy), ``needle`` (a fact
+    at each of ``depths`` of a ``context_len`` haystack), ``accuracy`` (both), ``prefill``
+    (random ``prompt_tokens``-token prompts, one output token), ``serve`` (mixed lengths
+    from ``input_len``/``output_len``), ``replay`` (the JSONL ``trace``), ``none``."""
 
     kind: str = "none"
+    # arith: problems; needle: samples per depth; prefill/serve: requests; replay: cap (0 = all).
     num_requests: int = 0
     concurrency: int = 1
     max_tokens: int = 64
     seed: int = 0
+    temperature: float = 0.0
+    k_shot: int = 5
+    # arith: longest prompt + answer; needle: haystack length (both in tokens).
+    context_len: int = 2048
+    depths: list[float] = field(default_factory=lambda: [0.01, 0.25, 0.5, 0.75, 0.99])
+    prompt_tokens: int = 512
+    input_len: list[int] = field(default_factory=lambda: [32, 256])
+    output_len: list[int] = field(default_factory=lambda: [8, 64])
+    # serve: Poisson arrivals per second; 0 sends as fast as concurrency allows.
+    request_rate: float = 0.0
+    # replay: the JSONL file (checked when the workload is built, before launching).
+    trace: str | None = None
+    # replay: multiplies the trace's arrival times (0.5 replays twice as fast).
+    time_scale: float = 1.0
+    request_timeout_s: float = 600.0
+    progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.kind not in WORKLOAD_KINDS:
+            raise ValueError(f"workload.kind {self.kind!r} is not one of {WORKLOAD_KINDS}")
         if self.num_requests < 0 or self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("workload needs num_requests >= 0, concurrency >= 1, max_tokens >= 1")
+        if self.temperature < 0 or self.k_shot < 0 or self.prompt_tokens < 1:
+            raise ValueError("workload needs temperature >= 0, k_shot >= 0, prompt_tokens >= 1")
+        if self.context_len < 64:
+            raise ValueError(f"workload.context_len must be >= 64 tokens, got {self.context_len}")
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError(f"workload.depths must be fractions in [0, 1], got {list(self.depths)}")
+        _check_range("input_len", self.input_len)
+        _check_range("output_len", self.output_len)
+        if self.request_rate < 0 or self.time_scale <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("workload needs request_rate >= 0, time_scale > 0, request_timeout_s > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeSpec:
+    """Where ``pdflow serve``/``pdflow run`` expose the OpenAI-compatible API."""
+
+    # Loopback by default: exposing the API to the network is a choice (set an api_key).
+    host: str = "127.0.0.1"
+    # 0 picks a free port.
+    port: int = 8000
+    # Bearer key on every route but /health; None reads $PDFLOW_API_KEY (unset: no key).
+    api_key: str | None = None
+    # Model name in /v1/models and requests; None uses model.name.
+    model_name: str | None = None
+    # Non-empty: serve a router over these instance URLs instead of an instance.
+    backends: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"serve.port must be 0 (pick free) or a port number, got {self.port}")
+        if not self.host:
+            raise ValueError("serve.host must be an address to bind (127.0.0.1 for loopback only)")
+        bad = [u for u in self.backends if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"serve.backends must be http(s):// URLs, got {bad}")
+        if self.ready_timeout_s <= 0:
+            raise ValueError("serve.ready_timeout_s must be positive")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +116,7 @@ class RunSpec:
     transfer: TransferSpec = field(default_factory=TransferSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    serve: ServeSpec = field(default_factory=ServeSpec)
     name: str = "pdflow"
     seed: int = 0
     # "pd": a prefill instance writes each prompt's KV into the decode instance.

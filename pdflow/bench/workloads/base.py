@@ -1,0 +1,68 @@
+"""What a workload is: requests to send, and how to score what came back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkRequest:
+    """One completion request. ``arrival_s``: when to send it, in seconds after the
+    workload starts (None: as soon as concurrency allows). ``meta``: what the scorer
+    needs (gold answer, depth, ...)."""
+
+    prompt: str | list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    arrival_s: float | None = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class RequestResult:
+    """What the client saw. Times are seconds from sending; ``itl_s`` holds the gaps
+    between the chunks after the first. Draft counts come from the server's usage
+    (``num_draft_tokens`` ...) when it reports them."""
+
+    ok: bool
+    text: str = ""
+    error: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    sent_at_s: float = 0.0
+    num_draft_tokens: int | None = None
+    num_accepted_draft_tokens: int | None = None
+    num_verify_steps: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkloadResult:
+    """``metrics``: flat name -> number (what MLflow logs); ``rows``: one per request
+    (the results table); ``breakdowns``: titled name -> value series for plots."""
+
+    name: str
+    metrics: dict[str, float]
+    rows: list[dict]
+    breakdowns: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Workload(Protocol):
+    name: str
+
+    def requests(self) -> list[WorkRequest]: ...
+
+    def score(self, requests: list[WorkRequest], results: list[RequestResult]) -> tuple[
+        dict[str, float], dict[str, dict[str, float]]
+    ]:
+        """Task metrics and breakdowns; latency metrics are added by the runner."""
+
+
+class WorkloadFailed(RuntimeError):
+    """Every request of a workload failed: nothing to measure."""

@@ -1,0 +1,73 @@
+"""Build the workloads a spec names and run them against an endpoint, one after another."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
+from pdflow.bench.workloads.client import Target, drive
+from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
+from pdflow.bench.workloads.stats import latency_metrics
+from pdflow.bench.workloads.tasks import ArithWorkload, NeedleWorkload
+from pdflow.spec import WorkloadSpec
+
+
+def build_workloads(spec: WorkloadSpec, *, vocab: int, base_dir: Path | None = None) -> list:
+    """``kind: accuracy`` is arith then needle; ``none`` is nothing. Relative trace paths
+    resolve against ``base_dir`` (the launch directory)."""
+    kinds = {
+        "none": lambda: [],
+        "arith": lambda: [ArithWorkload(spec)],
+        "needle": lambda: [NeedleWorkload(spec)],
+        "accuracy": lambda: [ArithWorkload(spec), NeedleWorkload(spec)],
+        "prefill": lambda: [PrefillWorkload(spec, vocab=vocab)],
+        "serve": lambda: [ServeWorkload(spec, vocab=vocab)],
+        "replay": lambda: [ReplayWorkload(spec, vocab=vocab, base_dir=base_dir)],
+    }
+    return kinds[spec.kind]()
+
+
+def _rows(phase: str, requests: list[WorkRequest], results: list[RequestResult]) -> list[dict]:
+    rows = []
+    for i, (q, r) in enumerate(zip(requests, results, strict=True)):
+        rows.append({
+            "workload": phase, "index": i, "ok": r.ok, "error": r.error, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "ttft_s": r.ttft_s,
+            "latency_s": r.latency_s, "sent_at_s": r.sent_at_s, "output": r.text,
+        } | {k: v for k, v in q.meta.items()})
+    return rows
+
+
+def prepare(workloads: list) -> list[tuple]:
+    """(workload, its requests) pairs: building requests reads traces and makes prompts,
+    so a bad trace is refused before anything is launched."""
+    return [(w, w.requests()) for w in workloads]
+
+
+async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpec) -> WorkloadResult:
+    """Runs ``prepare``'s pairs in order. Metrics of a single workload are unprefixed;
+    with several, latency metrics carry the workload's name (task metrics are named by
+    their task already)."""
+    metrics: dict[str, float] = {}
+    rows: list[dict] = []
+    breakdowns: dict[str, dict[str, float]] = {}
+    for workload, requests in prepared:
+        results, wall = await drive(target, requests, concurrency=spec.concurrency,
+                                    timeout_s=spec.request_timeout_s, progress=spec.progress,
+                                    label=workload.name)
+        if requests and not any(r.ok for r in results):
+            raise WorkloadFailed(f"all {len(results)} {workload.name} requests failed; the first: "
+                                 f"{results[0].error}")
+        task, parts = workload.score(requests, results)
+        prefix = f"{workload.name}_" if len(prepared) > 1 else ""
+        metrics |= {prefix + k: v for k, v in latency_metrics(results, wall).items()} | task
+        breakdowns |= parts
+        rows += _rows(workload.name, requests, results)
+    finite = {k: float(v) for k, v in metrics.items() if not math.isnan(v)}
+    return WorkloadResult(name=spec.kind, metrics=finite, rows=rows, breakdowns=breakdowns)
+
+
+def run_workloads_sync(target: Target, prepared: list[tuple], spec: WorkloadSpec) -> WorkloadResult:
+    return asyncio.run(run_workloads(target, prepared, spec))

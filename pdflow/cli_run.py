@@ -1,0 +1,123 @@
+"""``pdflow run [hydra overrides...]``: plan, serve, drive the workload over HTTP, report.
+
+Each job is one MLflow run (a child of the sweep's parent under ``-m``), opened before
+anything can fail so that a refused plan or a crashed server is a FAILED run with its
+error, not a missing one. The served side is the spec's decode instance for now.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pdflow.graph import GraphRefused, build_graph
+from pdflow.spec import TrackingSpec
+from pdflow.spec.load import spec_from_config
+from pdflow.tracking.callback import JOB_NAME, close_open_sweeps
+from pdflow.tracking.params import redact
+from pdflow.tracking.run_logger import TrackedRun
+from pdflow.tracking.tags import hardware_tags
+
+CONFIG_PATH = "pkg://pdflow.conf"
+SERVER_GAUGES = ("pdflow_kv_blocks_total", "pdflow_draft_acceptance_rate")
+
+
+def _run_name(cfg: DictConfig) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        if hc.mode is not None and hc.mode.name == "MULTIRUN" and hc.job.override_dirname:
+            return hc.job.override_dirname
+    return str(cfg.get("name", "pdflow"))
+
+
+def _tracking_of(tree: dict) -> TrackingSpec:
+    return TrackingSpec(**tree.get("tracking", {}))
+
+
+def server_gauges(url: str, api_key: str | None) -> dict[str, float]:
+    """Numbers only the server knows (its KV pool size), read from its /metrics."""
+    import math
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10.0).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SERVER_GAUGES and not math.isnan(sample.value):
+                out[sample.name.removeprefix("pdflow_")] = sample.value
+    return out
+
+
+def print_results(name: str, metrics: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pdflow run: {name}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in sorted(metrics):
+        value = metrics[key]
+        table.add_row(key, f"{value:.4g}" if value != int(value) else str(int(value)))
+    Console().print(table)
+
+
+def run_job(cfg: DictConfig) -> dict[str, float]:
+    from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
+    from pdflow.serve.launch import serve_spec
+    from pdflow.tracking.plots import results_figure
+    from pdflow.tracking.store import launch_dir
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    tags = {"pdflow.command": "run", "pdflow.workload": str(tree.get("workload", {}).get("kind"))}
+    with TrackedRun(_tracking_of(tree), run_name=_run_name(cfg), tags=tags) as tracked:
+        tracked.log_config(tree, OmegaConf.to_yaml(OmegaConf.create(redact(tree))))
+        spec = spec_from_config(cfg)
+        graph = build_graph(spec)
+        tracked.log_json("plan.json", graph.to_dict())
+        if graph.refusals:
+            tracked.set_tag("pdflow.refusals", ",".join(sorted(c.name for c in graph.codes())))
+            raise GraphRefused(graph.refusals)
+        workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
+        prepared = prepare(workloads)  # a bad trace fails here, before anything launches
+        with serve_spec(spec, port=0) as served:
+            target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
+            result = run_workloads_sync(target, prepared, spec.workload)
+            metrics = result.metrics | server_gauges(served.url, served.api_key)
+        tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
+        print_results(spec.name, metrics)
+        tracked.log_metrics(metrics)
+        tracked.log_json("results.json", result.rows)
+        from pdflow.tracking.compare import markdown
+
+        tracked.log_text("results.md", markdown(["metric", "value"], [[k, f"{v:.6g}"] for k, v in
+                                                                      sorted(metrics.items())]))
+        if result.rows:
+            import matplotlib.pyplot as plt
+
+            figure = results_figure(result.rows, result.breakdowns)
+            tracked.log_figure("results.png", figure)
+            plt.close(figure)
+        return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _run(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+def main() -> None:
+    """Entry for ``pdflow run`` (``pdflow.cli`` has set sys.argv to the overrides)."""
+    sys.argv.append(f"hydra.job.name={JOB_NAME}")
+    try:
+        _run()
+    finally:
+        close_open_sweeps()

@@ -1,0 +1,60 @@
+"""``pdflow serve [hydra overrides...]``: plan, start, wait for /health, print the URL,
+serve until Ctrl-C or SIGTERM, then stop everything and exit 0.
+
+Serves the spec's decode side as one instance on ``serve.host:serve.port``; with
+``serve.backends=[URL,...]`` it serves a router over instances started elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+import hydra
+from omegaconf import DictConfig
+
+from pdflow.graph import build_graph
+from pdflow.spec.load import spec_from_config
+
+CONFIG_PATH = "pkg://pdflow.conf"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def serve_until_signalled(spec, stop: threading.Event) -> None:
+    from pdflow.serve.launch import serve_spec
+
+    with serve_spec(spec) as served:
+        what = f"router over {', '.join(served.backends)}" if served.backends else f"model {served.model_name}"
+        auth = " (API key required)" if served.api_key else ""
+        print(f"pdflow serve: {what} at {served.url}/v1{auth}; Ctrl-C stops", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("pdflow serve: stopping", flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _serve(cfg: DictConfig) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    spec = spec_from_config(cfg)
+    if not spec.serve.backends:
+        build_graph(spec).raise_if_refused()
+    from pdflow.serve.launch import api_key_of
+
+    if spec.serve.host not in LOOPBACK and not api_key_of(spec):
+        print(f"pdflow serve: warning: {spec.serve.host} is reachable from the network and no API key "
+              "is set (serve.api_key or $PDFLOW_API_KEY)", file=sys.stderr)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve_until_signalled(spec, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("pdflow serve: stopped", flush=True)
+
+
+def main() -> None:
+    """Entry for ``pdflow serve`` (``pdflow.cli`` has set sys.argv to the overrides)."""
+    _serve()

@@ -1,0 +1,120 @@
+"""What the HTTP server needs from whatever generates tokens: one small protocol.
+
+The API server never touches an engine directly; it drives a ``ServingBackend`` from its
+engine-loop thread. ``LLMBackend`` adapts anything with ``pdflow.LLM``'s driver API
+(``submit``/``run``/``abort``, the KV block counts, ``tokenizer``), so a P/D deployment
+with the same methods plugs in unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DraftStats:
+    """Speculative decoding counts of one finished request: tokens proposed, tokens
+    accepted, and verify forwards (each yields accepted + 1 tokens)."""
+
+    drafted: int
+    accepted: int
+    verify_steps: int
+
+
+class ServingBackend(Protocol):
+    """Called from one thread only (the engine loop), so it needs no locking, except the
+    read-only properties, which /metrics and /v1/models read from the server's thread."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def tokenizer(self): ...
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def num_free_kv_blocks(self) -> int: ...
+
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+        """Queue one request; returns its id. Raises ValueError for a prompt it refuses."""
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[TokenOutput]:
+        """Advance the engine; the tokens produced (possibly none). Cheap when idle."""
+
+    def draft_stats(self, request_id: str) -> DraftStats | None:
+        """Counts for a request that just finished, or None without a drafter."""
+
+    def shutdown(self) -> None: ...
+
+
+class LLMBackend:
+    """``pdflow.LLM`` (or any driver with its API) as a ServingBackend.
+
+    ``step`` pulls from one long-lived ``run()`` generator: requests queued between pulls
+    join it (``run`` re-checks for unfinished work each step), and a fresh generator
+    starts once it has drained."""
+
+    def __init__(self, llm, *, max_model_len: int, vocab_size: int):
+        self.llm = llm
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        self._outputs: Iterator[TokenOutput] | None = None
+
+    @classmethod
+    def from_llm(cls, llm) -> LLMBackend:
+        """The limits the engine actually enforces (its pool may cap the model's length)."""
+        engine = llm.engine
+        return cls(llm, max_model_len=engine.max_model_len, vocab_size=engine.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.llm.num_kv_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.llm.num_free_kv_blocks
+
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+        return self.llm.submit([prompt_token_ids], sampling)[0]
+
+    def abort(self, request_id: str) -> bool:
+        return self.llm.abort(request_id)
+
+    def step(self) -> list[TokenOutput]:
+        if self._outputs is None:
+            self._outputs = self.llm.run()
+        try:
+            return [next(self._outputs)]
+        except StopIteration:
+            self._outputs = None
+            return []
+
+    def draft_stats(self, request_id: str) -> DraftStats | None:
+        return None
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

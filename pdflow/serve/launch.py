@@ -1,0 +1,69 @@
+"""Bring up what a run spec serves, behind the HTTP API, as a context manager.
+
+Today: the spec's decode side as one monolithic instance (``pdflow.LLM.from_run_spec``)
+in this process, its API on a uvicorn thread; or a router over given instance URLs.
+A P/D deployment replaces ``_backend`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdflow.spec import RunSpec
+
+API_KEY_ENV = "PDFLOW_API_KEY"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Served:
+    """Where a launched API answers: ``url`` (no trailing /v1) and how to call it."""
+
+    url: str
+    model_name: str
+    api_key: str | None
+    # Backend URLs when this is a router; empty for an instance.
+    backends: tuple[str, ...] = ()
+
+
+def api_key_of(spec: RunSpec) -> str | None:
+    return spec.serve.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def model_name_of(spec: RunSpec) -> str:
+    return spec.serve.model_name or spec.model.name
+
+
+def _backend(spec: RunSpec):
+    from pdflow.engine.llm import LLM
+    from pdflow.serve.backend import LLMBackend
+
+    return LLMBackend.from_llm(LLM.from_run_spec(spec))
+
+
+@contextlib.contextmanager
+def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
+    """An instance (or, with ``serve.backends``, a router) answering on ``serve.host``;
+    ``port`` overrides ``serve.port`` (0: a free one). Everything stops on exit."""
+    from pdflow.serve.server import ServerThread, wait_healthy
+
+    port = spec.serve.port if port is None else port
+    key, name = api_key_of(spec), model_name_of(spec)
+    with contextlib.ExitStack() as stack:
+        if spec.serve.backends:
+            from pdflow.serve.router import create_router
+
+            app = create_router(list(spec.serve.backends), api_key=key)
+        else:
+            from pdflow.serve.api import EngineHost, create_app
+
+            backend = _backend(spec)
+            stack.callback(backend.shutdown)
+            host = EngineHost(backend).start()
+            stack.callback(host.stop)
+            app = create_app(host, model_name=name, api_key=key)
+        server = stack.enter_context(ServerThread(app, host=spec.serve.host, port=port))
+        wait_healthy(server.url, timeout=spec.serve.ready_timeout_s)
+        yield Served(url=server.url, model_name=name, api_key=key, backends=tuple(spec.serve.backends))

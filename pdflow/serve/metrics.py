@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server, in its own registry (several apps may share a process).
+
+Latencies are observed on the engine-loop thread as tokens leave the engine; request
+outcomes where the HTTP handler decides them (including refused requests).
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdflow.serve.backend import ServingBackend
+from pdflow.serve.engine_loop import StreamEvent, Ticket
+
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0, float("inf"))
+
+
+class ServeMetrics:
+    def __init__(self, backend: ServingBackend, *, num_active=lambda: 0, prefix: str = "pdflow"):
+        self.registry = CollectorRegistry()
+        self._drafted = self._accepted = 0
+        r, p = self.registry, prefix
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Gap between a request's tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{p}_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(f"{p}_requests", "Finished requests by outcome.", ["outcome"], registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens admitted.", registry=r)
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "Tokens generated.", registry=r)
+        self.drafted = Counter(f"{p}_draft_tokens", "Speculative tokens proposed.", registry=r)
+        self.accepted = Counter(f"{p}_accepted_draft_tokens", "Speculative tokens accepted.", registry=r)
+        self.verify_steps = Counter(f"{p}_verify_steps", "Speculative verify forwards.", registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        Gauge(f"{p}_kv_blocks_total", "KV blocks in the pool.", registry=r).set_function(
+            lambda: backend.num_kv_blocks)
+        Gauge(f"{p}_kv_blocks_free", "KV blocks free.", registry=r).set_function(
+            lambda: backend.num_free_kv_blocks)
+        Gauge(f"{p}_kv_blocks_used", "KV blocks held by requests or the prefix cache.",
+              registry=r).set_function(lambda: backend.num_kv_blocks - backend.num_free_kv_blocks)
+        Gauge(f"{p}_draft_acceptance_rate", "Accepted / proposed speculative tokens (NaN: none).",
+              registry=r).set_function(self._acceptance)
+        Gauge(f"{p}_requests_running", "Requests in the engine.", registry=r).set_function(num_active)
+
+    def _acceptance(self) -> float:
+        return self._accepted / self._drafted if self._drafted else math.nan
+
+    def on_token(self, ticket: Ticket, now: float) -> None:
+        if ticket.last_token_at is None:
+            self.ttft.observe(now - ticket.arrival)
+            self.prompt_tokens.inc(len(ticket.prompt_token_ids))
+        else:
+            self.itl.observe(now - ticket.last_token_at)
+        self.generation_tokens.inc()
+
+    def on_finish(self, ticket: Ticket, event: StreamEvent) -> None:
+        if event.token_ids and ticket.last_token_at is not None:
+            self.e2e.observe(ticket.last_token_at - ticket.arrival)
+        if event.draft is not None:
+            self._drafted += event.draft.drafted
+            self._accepted += event.draft.accepted
+            self.drafted.inc(event.draft.drafted)
+            self.accepted.inc(event.draft.accepted)
+            self.verify_steps.inc(event.draft.verify_steps)
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

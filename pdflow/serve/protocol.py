@@ -1,0 +1,196 @@
+"""Request bodies of the OpenAI API, validated strictly (types are not coerced: "5" is
+not an int, true is not a number) so a client's mistake is a 400, not a surprise.
+
+Only what the engine can honour is accepted: ``n`` (and ``best_of``) 1, no penalties,
+no logprobs, no echo. pdflow extensions, as vLLM names them: ``top_k``, ``ignore_eos``,
+``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+MAX_STOPS = 4
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences are supported, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return stops
+
+
+def _only(value: Any, allowed: tuple, what: str) -> Any:
+    if value not in allowed:
+        raise ValueError(f"{what}")
+    return value
+
+
+class SamplingFields(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        return _stops(v)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        return _only(v, (None, 1), "only n=1 is supported")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        return _only(v, (None, 0, 0.0), "penalties are not supported (leave them at 0)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        return _only(v, (None, {}), "logit_bias is not supported")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        """A string or token ids; a batch only when it holds exactly one of those."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+            raise ValueError("only one prompt per request is supported")
+        raise ValueError("prompt must be a string or a non-empty list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        return _only(v, (None, False), "echo is not supported")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _only(v, (None, 0), "logprobs are not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v):
+        return _only(v, (None, 1), "only best_of=1 is supported")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _only(v, (None,), "suffix is not supported")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    # A string, or text parts ({"type": "text", "text": ...}), joined into one string.
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            and set(p) == {"type", "text"} for p in v
+        ):
+            return "".join(p["text"] for p in v)
+        raise ValueError('content must be a string or a list of {"type": "text", "text": ...} parts')
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _only(v, (None, False), "logprobs are not supported")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        return _only(v, (None, 0), "top_logprobs are not supported")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        return _only(v, (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is supported")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        return _only(v, (None, []), "tools are not supported")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        return _only(v, (None, "none"), "tool_choice is not supported")
+
+    @model_validator(mode="after")
+    def _one_length_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

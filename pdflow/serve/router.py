@@ -1,0 +1,159 @@
+"""A router with the instance API: forwards each request to a backend URL and streams the
+answer back unchanged.
+
+Backends are picked round robin (``RoundRobin``; a P/D picker will pair a producer with a
+consumer behind the same ``pick``). A backend's own answer, 4xx included, passes through;
+a backend that cannot be reached is skipped for the next one, and when none answers the
+client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502. Every
+error has the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import threading
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from pdflow.serve.api import bearer_guard, install_error_handlers
+from pdflow.serve.errors import APIError, error_body
+
+FORWARDED_HEADERS = ("content-type", "accept")
+CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+class RoundRobin:
+    """Backends in turn; ``pick`` gives the order to try them in for one request."""
+
+    def __init__(self, backends: list[str]):
+        if not backends:
+            raise ValueError("a router needs at least one backend URL")
+        self.backends = [b.rstrip("/") for b in backends]
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def pick(self) -> list[str]:
+        with self._lock:
+            start = next(self._next) % len(self.backends)
+        return self.backends[start:] + self.backends[:start]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdflow_router_requests", "Forwarded requests by backend and outcome.",
+                                ["backend", "outcome"], registry=self.registry)
+
+    def count(self, backend: str, outcome: str) -> None:
+        self.requests.labels(backend=backend, outcome=outcome).inc()
+
+
+def create_router(backends: list[str], *, api_key: str | None = None,
+                  backend_api_key: str | None = None, timeout_s: float = 600.0) -> FastAPI:
+    """``backend_api_key`` (default: ``api_key``) is sent to the backends."""
+    picker = RoundRobin(backends)
+    metrics = RouterMetrics()
+    forward_key = backend_api_key if backend_api_key is not None else api_key
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="pdflow router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    guard = [Depends(bearer_guard(api_key))]
+    install_error_handlers(app)
+
+    def headers_for(request: Request) -> dict:
+        out = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        if forward_key:
+            out["authorization"] = f"Bearer {forward_key}"
+        return out
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        unreachable = []
+        for backend in picker.pick():
+            upstream = client.build_request(request.method, backend + request.url.path, content=body,
+                                            headers=headers_for(request))
+            try:
+                answer = await client.send(upstream, stream=True)
+            except CONNECT_ERRORS as exc:
+                metrics.count(backend, "unreachable")
+                unreachable.append(f"{backend} ({type(exc).__name__})")
+                continue
+            except httpx.HTTPError as exc:
+                metrics.count(backend, "failed")
+                raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
+                               code="backend_error") from exc
+            return await relay(backend, answer)
+        raise APIError(503, f"no backend could be reached: {', '.join(unreachable)}", code="no_backend")
+
+    async def relay(backend: str, answer: httpx.Response) -> Response:
+        if answer.status_code >= 500:
+            text = (await answer.aread()).decode(errors="replace")[:500]
+            await answer.aclose()
+            metrics.count(backend, "failed")
+            raise APIError(502, f"backend {backend} answered {answer.status_code}: {text}", code="backend_error")
+        media = answer.headers.get("content-type", "application/json")
+        if not media.startswith("text/event-stream"):
+            content = await answer.aread()
+            await answer.aclose()
+            metrics.count(backend, "ok" if answer.status_code < 400 else "rejected")
+            return Response(content, status_code=answer.status_code, media_type=media)
+        metrics.count(backend, "ok")
+        return StreamingResponse(stream_through(backend, answer), status_code=answer.status_code,
+                                 media_type=media, headers={"Cache-Control": "no-cache"})
+
+    async def stream_through(backend: str, answer: httpx.Response) -> AsyncIterator[bytes]:
+        """Bytes as they come; a cut stream ends with an error event instead of [DONE].
+        Leaving early (the client went away) closes the upstream, which aborts there."""
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            metrics.count(backend, "failed")
+            body = error_body(502, f"backend {backend} failed mid-stream: {type(exc).__name__}",
+                              code="backend_error")
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+        finally:
+            await answer.aclose()
+
+    @app.get("/health")
+    async def health():
+        states = {}
+        for backend in picker.backends:
+            try:
+                r = await client.get(backend + "/health", timeout=5.0)
+                states[backend] = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                states[backend] = type(exc).__name__
+        if "ok" not in states.values():
+            return JSONResponse(error_body(503, f"no healthy backend: {states}", code="no_backend")
+                                | {"backends": states}, status_code=503)
+        return {"status": "ok", "backends": states}
+
+    @app.get("/metrics", dependencies=guard)
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=guard)
+    async def models(request: Request):
+        return await forward(request)
+
+    @app.post("/v1/completions", dependencies=guard)
+    async def completions(request: Request):
+        return await forward(request)
+
+    @app.post("/v1/chat/completions", dependencies=guard)
+    async def chat_completions(request: Request):
+        return await forward(request)
+
+    return app

@@ -1,0 +1,123 @@
+"""``pdflow run``, ``pdflow run -m``, ``pdflow compare`` and ``pdflow serve`` as a user
+runs them: subprocesses in a temp directory, MLflow in that directory's sqlite store."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdflow.tracking import store
+
+pytestmark = pytest.mark.slow
+# The served side is the decode instance: one process, a small workload.
+CHEAP = ["decode=tp1", "workload=prefill", "workload.num_requests=2", "workload.prompt_tokens=8",
+         "workload.concurrency=2"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV.pop("PDFLOW_MLFLOW_PARENT_RUN_ID", None)
+
+
+@pytest.fixture
+def launch_dir(tmp_path, mlflow_template):
+    """Where pdflow is started: an empty MLflow store is already there (copied, not
+    migrated again), as after an earlier run."""
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    return tmp_path
+
+
+def pdflow(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdflow.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def runs_in(cwd: Path):
+    client = store.client(f"sqlite:///{cwd / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("pdflow")
+    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def test_run_replays_a_trace_and_logs_one_run_next_to_where_it_started(launch_dir):
+    tmp_path = launch_dir
+    (tmp_path / "trace.jsonl").write_text(
+        '{"arrival_s": 0.0, "prompt": "Question: Tom has 3 pens.", "max_tokens": 2}\n'
+        '{"arrival_s": 0.2, "prompt_tokens": 12}\n{"arrival_s": 0.1, "prompt": [1, 40, 41]}\n')
+    done = pdflow(tmp_path, "run", "decode=tp1", "drafter=none", "workload=replay", "workload.trace=trace.jsonl",
+                  "workload.max_tokens=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pdflow run" in done.stdout and "ttft_mean_s" in done.stdout
+    client, runs = runs_in(tmp_path)
+    (run,) = runs
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["requests"] == 3 and run.data.metrics["errors"] == 0
+    assert run.data.metrics["output_tokens"] == 2 + 3 + 3  # max_tokens per line, else the workload's
+    assert run.data.tags["pdflow.choice.workload"] == "replay" and run.data.params["decode.tp"] == "1"
+    assert "workload.trace=trace.jsonl" in run.data.tags["pdflow.overrides"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "plan.json", "results.json", "results.md", "results.png"} <= artifacts
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db", "trace.jsonl"]
+
+
+def test_sweep_is_one_parent_with_a_child_per_job_failures_included(launch_dir):
+    """Four jobs; eagle3 under a PP prefill is refused at plan time, so two of them fail
+    (cheaply), the others serve and run. compare shows all four."""
+    tmp_path = launch_dir
+    done = pdflow(tmp_path, "run", "-m", "prefill=pp2,pp4", "drafter=none,eagle3", *CHEAP)
+    assert done.returncode != 0 and "EAGLE3_UNDER_PP" in done.stderr
+    client, runs = runs_in(tmp_path)
+    (parent,) = [r for r in runs if r.data.tags.get("pdflow.sweep") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 4 == len(runs) - 1
+    by_job = {(c.data.tags["pdflow.choice.prefill"], c.data.tags["pdflow.choice.drafter"]): c for c in children}
+    assert set(by_job) == {(p, d) for p in ("pp2", "pp4") for d in ("none", "eagle3")}
+    for prefill in ("pp2", "pp4"):
+        failed, ran = by_job[(prefill, "eagle3")], by_job[(prefill, "none")]
+        assert failed.info.status == "FAILED" and failed.info.end_time is not None
+        assert failed.data.tags["pdflow.refusals"] == "EAGLE3_UNDER_PP"
+        assert ran.info.status == "FINISHED" and ran.data.metrics["requests"] == 2
+    assert parent.info.status == "FAILED" and parent.info.end_time is not None
+    assert (parent.data.tags["pdflow.sweep.children"], parent.data.tags["pdflow.sweep.failed"]) == ("4", "2")
+    assert "comparison.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+    shown = pdflow(tmp_path, "compare", "--metrics", "requests,prompt_tokens,ttft_mean_s")
+    assert shown.returncode == 0, shown.stderr
+    lines = [line for line in shown.stdout.splitlines() if line.startswith("|")]
+    assert lines[0] == "| drafter | prefill | status | requests | prompt_tokens | ttft_mean_s |"
+    rows = sorted(line.strip("| ").split(" | ") for line in lines[2:])
+    assert [r[:5] for r in rows] == [
+        ["eagle3", "pp2", "FAILED", "-", "-"], ["eagle3", "pp4", "FAILED", "-", "-"],
+        ["none", "pp2", "FINISHED", "2", "16"], ["none", "pp4", "FINISHED", "2", "16"]]
+    assert (tmp_path / "pdflow-compare.png").stat().st_size > 0
+
+
+def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", "decode=tp1", "drafter=none",
+                             "serve.port=0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ENV)
+    try:
+        deadline, url, seen = time.monotonic() + 300, None, []
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            found = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)
+            url = found and found.group(1)
+        assert url, "".join(seen)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "pdflow serve: stopped" in out

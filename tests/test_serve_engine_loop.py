@@ -1,0 +1,189 @@
+"""The engine loop and the API around it, over a scripted backend (no model): order of
+delivery, aborts, concurrency, and what a client sees when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.api import EngineHost, create_app
+from pdflow.serve.backend import DraftStats
+from pdflow.serve.engine_loop import EngineLoop
+from pdflow.serve.server import ServerThread
+
+
+class ScriptedBackend:
+    """Each request emits tokens 10, 11, ... (text "a", "b", ...) one per step for every
+    running request; ``fail_after`` steps, ``step`` raises (a dead engine)."""
+
+    max_model_len, vocab_size, tokenizer = 64, 100, None
+    num_kv_blocks = 8
+
+    def __init__(self, *, fail_after: int | None = None, draft: bool = False, step_s: float = 0.0):
+        self.step_s = step_s
+        self.running: dict[str, list] = {}
+        self.ids = 0
+        self.steps = 0
+        self.fail_after, self.draft = fail_after, draft
+        self.aborted: list[str] = []
+        self.max_running = 0
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.num_kv_blocks - len(self.running)
+
+    def add(self, prompt_token_ids, sampling):
+        if len(prompt_token_ids) > 50:
+            raise ValueError("prompt too long for the script")
+        self.ids += 1
+        self.running[str(self.ids)] = [0, sampling.max_tokens]
+        self.max_running = max(self.max_running, len(self.running))
+        return str(self.ids)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        return self.running.pop(request_id, None) is not None
+
+    def step(self):
+        time.sleep(self.step_s)
+        self.steps += 1
+        if self.fail_after is not None and self.steps > self.fail_after:
+            raise RuntimeError("device lost")
+        out = []
+        for rid, state in list(self.running.items()):
+            i, limit = state
+            state[0] += 1
+            done = i + 1 == limit
+            out.append(TokenOutput(request_id=rid, index=i, token_id=10 + i, logprob=0.0, text="abcdefgh"[i % 8],
+                                   finished=done, finish_reason="length" if done else None))
+            if done:
+                del self.running[rid]
+        return out
+
+    def draft_stats(self, request_id):
+        return DraftStats(drafted=8, accepted=6, verify_steps=2) if self.draft else None
+
+    def shutdown(self):
+        pass
+
+
+async def _collect(loop: EngineLoop, ids, max_tokens):
+    ticket, events = loop.open_stream(ids, SamplingParams(max_tokens=max_tokens))
+    got = []
+    while True:
+        event = await events.get()
+        got.append(event)
+        if event.done:
+            return ticket, got
+
+
+def test_loop_delivers_each_requests_tokens_in_order_and_concurrently():
+    backend = ScriptedBackend()
+    loop = EngineLoop(backend).start()
+
+    async def main():
+        return await asyncio.gather(*(_collect(loop, [1, 2], n) for n in (3, 5, 1)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        loop.stop()
+    for (_, events), n in zip(results, (3, 5, 1), strict=True):
+        assert [e.token_ids[0] for e in events] == list(range(10, 10 + n))
+        assert events[-1].finish_reason == "length" and not any(e.done for e in events[:-1])
+    assert backend.max_running >= 2  # requests shared steps
+
+
+def test_refused_prompt_is_an_error_event_not_a_dead_loop():
+    backend = ScriptedBackend()
+    loop = EngineLoop(backend).start()
+    try:
+        _, events = asyncio.run(_collect(loop, list(range(60)), 2))
+        assert events[-1].error == "prompt too long for the script" and events[-1].error_status == 400
+        _, events = asyncio.run(_collect(loop, [1], 2))
+        assert events[-1].finish_reason == "length"
+    finally:
+        loop.stop()
+
+
+def test_abort_before_admission_never_reaches_the_backend():
+    backend = ScriptedBackend()
+    loop = EngineLoop(backend)  # not started: the submit waits in the inbox
+    done = threading.Event()
+    ticket = None
+
+    async def main():
+        nonlocal ticket
+        ticket, _ = loop.open_stream([1], SamplingParams(max_tokens=4))
+        loop.abort(ticket)
+        loop.start()
+        await asyncio.sleep(0.3)
+        done.set()
+
+    asyncio.run(main())
+    loop.stop()
+    assert ticket.request_id is None and backend.ids == 0 and done.is_set()
+
+
+@pytest.fixture
+def scripted_server():
+    def start(backend):
+        host = EngineHost(backend).start()
+        server = ServerThread(create_app(host, model_name="script")).start()
+        started.append((host, server))
+        return server.url
+
+    started = []
+    yield start
+    for host, server in started:
+        server.stop()
+        host.stop()
+
+
+def test_dead_engine_fails_requests_with_500_and_health_turns_503(scripted_server):
+    url = scripted_server(ScriptedBackend(fail_after=2))
+    r = httpx.post(url + "/v1/completions", json={"model": "script", "prompt": [1, 2], "max_tokens": 10})
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "engine_error" and "device lost" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 503
+    r = httpx.post(url + "/v1/completions", json={"model": "script", "prompt": [1], "max_tokens": 1})
+    assert r.status_code == 503
+
+
+def test_draft_counts_reach_usage_and_metrics(scripted_server):
+    url = scripted_server(ScriptedBackend(draft=True))
+    r = httpx.post(url + "/v1/completions", json={"model": "script", "prompt": [1], "max_tokens": 3})
+    usage = r.json()["usage"]
+    assert (usage["num_draft_tokens"], usage["num_accepted_draft_tokens"], usage["num_verify_steps"]) == (8, 6, 2)
+    text = httpx.get(url + "/metrics").text
+    assert "pdflow_draft_acceptance_rate 0.75" in text
+    plain = scripted_server(ScriptedBackend())
+    usage = httpx.post(plain + "/v1/completions", json={"model": "script", "prompt": [1], "max_tokens": 3}).json()
+    assert "num_draft_tokens" not in usage["usage"]
+
+
+def test_prompt_text_needs_a_tokenizer(scripted_server):
+    url = scripted_server(ScriptedBackend())
+    r = httpx.post(url + "/v1/completions", json={"model": "script", "prompt": "words", "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url + "/v1/chat/completions",
+                   json={"model": "script", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_answer_aborts_it(scripted_server):
+    backend = ScriptedBackend(step_s=0.05)
+    url = scripted_server(backend)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": "script", "prompt": [1], "max_tokens": 60}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not backend.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.aborted == ["1"] and not backend.running
+    assert 'pdflow_requests_total{outcome="abort"} 1.0' in httpx.get(url + "/metrics").text

@@ -1,0 +1,175 @@
+"""Workloads: the requests they build, how they score, the latency figures, and the HTTP
+driver's timing and concurrency against a real (scripted) streaming server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from pdflow.bench.tasks import arith_eval_set
+from pdflow.bench.workloads import RequestResult, Target, WorkloadFailed, build_workloads, drive, prepare
+from pdflow.bench.workloads.load import TraceError
+from pdflow.bench.workloads.runner import run_workloads
+from pdflow.bench.workloads.stats import draft_metrics, latency_metrics, percentile
+from pdflow.serve.server import ServerThread
+from pdflow.spec import WorkloadSpec
+
+
+def spec(**kw) -> WorkloadSpec:
+    return WorkloadSpec(**kw)
+
+
+def ok(text="", **kw) -> RequestResult:
+    return RequestResult(ok=True, text=text, **kw)
+
+
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    values = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.05]
+    assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert math.isnan(percentile([], q))
+
+
+def test_arith_scores_gold_solutions_right_and_wrong_answers_wrong():
+    (w,) = build_workloads(spec(kind="arith", num_requests=4, k_shot=1, context_len=1024, max_tokens=320),
+                           vocab=128)
+    reqs = w.requests()
+    items = arith_eval_set(4, k_shot=1, seed=0, max_context=1024)
+    assert [r.prompt for r in reqs] == [it.prompt for it in items]
+    assert all(r.stop == ["\n\n", "Question:"] and r.temperature == 0 for r in reqs)
+    gold = [f" ...\n#### {r.meta['answer']}" for r in reqs]
+    outputs = [ok(gold[0]), ok(gold[1]), ok(f" #### {reqs[2].meta['answer'] + 1}"),
+               RequestResult(ok=False, error="HTTP 500")]
+    metrics, parts = w.score(reqs, outputs)
+    assert metrics["arith_strict"] == 0.5 and metrics["arith_flexible"] == 0.5
+    assert set(parts["arith strict accuracy by steps"]) <= {"steps_2", "steps_3", "steps_4"}
+
+
+def test_needle_scores_by_depth():
+    (w,) = build_workloads(spec(kind="needle", num_requests=2, context_len=256, depths=[0.0, 1.0]), vocab=128)
+    reqs = w.requests()
+    assert [r.meta["depth"] for r in reqs] == [0.0, 0.0, 1.0, 1.0]
+    assert all(len(r.prompt) <= 256 - 1 for r in reqs)
+    outs = [ok(" " + r.meta["answer"] + "\n") for r in reqs[:3]] + [ok(" 0000")]
+    metrics, _ = w.score(reqs, outs)
+    assert metrics["needle_accuracy"] == 0.75
+    assert (metrics["needle_accuracy_depth_0.00"], metrics["needle_accuracy_depth_1.00"]) == (1.0, 0.5)
+
+
+def test_accuracy_is_arith_then_needle_and_none_is_nothing():
+    names = [w.name for w in build_workloads(spec(kind="accuracy", num_requests=1, k_shot=0), vocab=128)]
+    assert names == ["arith", "needle"]
+    assert build_workloads(spec(kind="none"), vocab=128) == []
+
+
+def test_prefill_prompts_are_exact_length_distinct_and_one_token():
+    (w,) = build_workloads(spec(kind="prefill", num_requests=5, prompt_tokens=33), vocab=128)
+    reqs = w.requests()
+    assert all(len(r.prompt) == 33 and r.max_tokens == 1 and r.ignore_eos for r in reqs)
+    assert all(4 <= t < 128 for r in reqs for t in r.prompt)
+    assert len({tuple(r.prompt[:16]) for r in reqs}) == 5  # no shared prefix block
+
+
+def test_serve_lengths_in_range_and_poisson_arrivals_increase():
+    (w,) = build_workloads(spec(kind="serve", num_requests=50, input_len=[3, 9], output_len=[2, 4],
+                                request_rate=5.0), vocab=128)
+    reqs = w.requests()
+    assert all(3 <= len(r.prompt) <= 9 and 2 <= r.max_tokens <= 4 for r in reqs)
+    arrivals = [r.arrival_s for r in reqs]
+    assert arrivals[0] == 0 and all(b > a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    assert 50 / 5.0 * 0.5 < arrivals[-1] < 50 / 5.0 * 2  # mean gap 1/rate
+
+
+def test_replay_sorts_scales_and_names_bad_lines(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 3.0, "prompt": "b", "max_tokens": 2}\n\n'
+                     '{"arrival_s": 1.0, "prompt_tokens": 7}\n')
+    (w,) = build_workloads(spec(kind="replay", trace="t.jsonl", time_scale=0.5, max_tokens=9), vocab=128,
+                           base_dir=tmp_path)
+    reqs = w.requests()
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0]
+    assert len(reqs[0].prompt) == 7 and reqs[0].max_tokens == 9 and reqs[1].prompt == "b"
+    for line, needle in [('{"arrival_s": -1, "prompt": "a"}', "arrival_s"),
+                         ('{"arrival_s": 0, "prompt": "a", "prompt_tokens": 3}', "exactly one"),
+                         ('{"arrival_s": 0, "prompt": "a", "speed": 1}', "unknown keys"),
+                         ("not json", "not JSON")]:
+        trace.write_text('{"arrival_s": 0, "prompt": "ok"}\n' + line + "\n")
+        with pytest.raises(TraceError, match=rf"t.jsonl:2: .*{needle}"):
+            w.requests()
+    with pytest.raises(TraceError, match="workload.trace"):
+        build_workloads(spec(kind="replay"), vocab=128)
+    with pytest.raises(TraceError, match="does not exist"):
+        prepare(build_workloads(spec(kind="replay", trace=str(tmp_path / "missing.jsonl")), vocab=128))
+
+
+def test_latency_metrics_and_draft_metrics_only_when_reported():
+    results = [ok(prompt_tokens=10, completion_tokens=4, ttft_s=0.1, latency_s=0.4, itl_s=[0.1, 0.1, 0.1]),
+               ok(prompt_tokens=20, completion_tokens=2, ttft_s=0.3, latency_s=0.5, itl_s=[0.2]),
+               RequestResult(ok=False, error="x")]
+    m = latency_metrics(results, wall_s=2.0)
+    assert (m["requests"], m["errors"], m["prompt_tokens"], m["output_tokens"]) == (3, 1, 30, 6)
+    assert m["prompt_throughput_tok_s"] == 15 and m["output_throughput_tok_s"] == 3
+    assert m["ttft_mean_s"] == pytest.approx(0.2) and m["itl_p50_s"] == pytest.approx(0.1)
+    assert "draft_acceptance_rate" not in m
+    drafted = [ok(num_draft_tokens=8, num_accepted_draft_tokens=6, num_verify_steps=2),
+               ok(num_draft_tokens=4, num_accepted_draft_tokens=0, num_verify_steps=1)]
+    d = draft_metrics(drafted)
+    assert d["draft_acceptance_rate"] == 0.5 and d["tokens_per_forward"] == (6 + 3) / 3
+
+
+def paced_server(delay: float) -> FastAPI:
+    """Streams three one-word chunks ``delay`` apart, and records how many requests were
+    in flight at once."""
+    app = FastAPI()
+    app.state.live = app.state.peak = 0
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.live += 1
+        app.state.peak = max(app.state.peak, app.state.live)
+
+        async def chunks():
+            try:
+                for word in ("a", "b", "c"):
+                    await asyncio.sleep(delay)
+                    yield f"data: {json.dumps({'choices': [{'text': word, 'finish_reason': None}]})}\n\n"
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 3}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+            finally:
+                app.state.live -= 1
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_driver_measures_first_token_and_gaps_and_caps_concurrency():
+    from pdflow.bench.workloads import WorkRequest
+
+    app = paced_server(0.05)
+    with ServerThread(app) as server:
+        target = Target(url=server.url, model="m")
+        reqs = [WorkRequest(prompt=[1, 2, 3], max_tokens=3) for _ in range(6)]
+        start = time.perf_counter()
+        results, wall = asyncio.run(drive(target, reqs, concurrency=2, timeout_s=30))
+        elapsed = time.perf_counter() - start
+    assert app.state.peak == 2
+    assert all(r.ok and r.text == "abc" and r.completion_tokens == 3 and r.prompt_tokens == 3 for r in results)
+    assert all(r.ttft_s >= 0.05 and len(r.itl_s) == 2 and min(r.itl_s) >= 0.04 for r in results)
+    assert 3 * 3 * 0.05 <= wall <= elapsed  # three waves of two, each three chunks
+
+
+def test_runner_refuses_when_every_request_failed():
+    (w,) = build_workloads(spec(kind="prefill", num_requests=2, prompt_tokens=4), vocab=128)
+    # No /v1/completions there: every request is a 404.
+    with ServerThread(FastAPI()) as server, pytest.raises(WorkloadFailed, match="all 2 prefill requests failed"):
+        asyncio.run(run_workloads(Target(url=server.url, model="m"), prepare([w]),
+                                  spec(kind="prefill", num_requests=2)))
