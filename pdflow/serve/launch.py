@@ -1,8 +1,8 @@
 """Bring up what a run spec serves, behind the HTTP API, as a context manager.
 
-Today: the spec's decode side as one monolithic instance (``pdflow.LLM.from_run_spec``)
-in this process, its API on a uvicorn thread; or a router over given instance URLs.
-A P/D deployment replaces ``_backend`` and nothing else.
+The spec's deployment (``pdflow.Deployment``: a prefill instance writing each prompt's KV
+into a decode instance, or with ``mode=monolithic`` the decode instance alone) driven from
+this process, its API on a uvicorn thread; or a router over given instance URLs.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def model_name_of(spec: RunSpec) -> str:
 
 
 def _backend(spec: RunSpec):
-    from pdflow.engine.llm import LLM
     from pdflow.serve.backend import LLMBackend
+    from pdflow.serve.deployment import Deployment
 
-    return LLMBackend.from_llm(LLM.from_run_spec(spec))
+    deployment = Deployment(spec)
+    return LLMBackend(deployment, max_model_len=deployment.max_model_len,
+                      vocab_size=deployment.vocab_size)
 
 
 @contextlib.contextmanager
