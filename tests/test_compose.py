@@ -19,11 +19,13 @@ def options(group: str) -> list[str]:
 
 
 GROUP_OPTIONS = [(g, o) for g in GROUP_SCHEMAS for o in options(g)]
+# Options that need a value to compose: model=hf reads its geometry from model.path.
+NEEDS = {("model", "hf"): ["model.path=pdflow:assets/tiny"]}
 
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_group_option_composes(group, option):
-    spec = compose_spec([f"{group}={option}"])
+    spec = compose_spec([f"{group}={option}", *NEEDS.get((group, option), [])])
     assert isinstance(spec, RunSpec)
     schema = GROUP_SCHEMAS[group][1]
     assert isinstance(getattr(spec, group), schema)

@@ -69,6 +69,8 @@ CASES = {
     Code.BAD_LAYER_PARTITION: (["prefill.layer_partition=[3,3,1,2]"], ["prefill.layer_partition=[3,3,1,1]"]),
     Code.DRAFTER_TAP_OUT_OF_RANGE: (["drafter.taps=[1,8]"], ["drafter.taps=[1,7]"]),
     Code.KV_POOL_EMPTY: (["prefill.memory=0.001"], ["prefill.memory=0.1"]),
+    # The shipped tiny model's checkpoint (model.path) has a 128-token vocab.
+    Code.MODEL_GEOMETRY_MISMATCH: (["model.vocab=256"], ["model.vocab=128"]),
 }
 
 

@@ -7,6 +7,7 @@ from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition, parallel
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
 from pdflow.spec.attention import backend_limits
+from pdflow.spec.checkpoint import geometry_mismatches, hf_geometry, read_hf_config
 
 
 def resolved_taps(spec: RunSpec) -> list[int]:
@@ -158,8 +159,32 @@ def check_grid(spec: RunSpec) -> list[Refusal]:
     return out
 
 
+def check_model_geometry(spec: RunSpec) -> list[Refusal]:
+    """A declared geometry that disagrees with the checkpoint at ``model.path``: the graph
+    would place heads and size KV units for a model that is not there. A path this
+    machine cannot read is not checked (plans may be made away from the checkpoint)."""
+    model = spec.model
+    if not model.path:
+        return []
+    try:
+        geometry = hf_geometry(read_hf_config(model.path))
+    except (OSError, ValueError, KeyError):
+        return []
+    return [
+        Refusal(
+            code=Code.MODEL_GEOMETRY_MISMATCH,
+            message=f"model.{key}={declared!r} but the checkpoint at {model.path} has "
+            f"{key} {found!r} (its config.json).",
+            fix=f"set model.{key}={found}, or take the whole geometry from the checkpoint: "
+            f"model=hf model.path={model.path}.",
+        )
+        for key, declared, found in geometry_mismatches(model, geometry)
+    ]
+
+
 def check_spec(spec: RunSpec) -> list[Refusal]:
     return [
+        *check_model_geometry(spec),
         *check_partitions(spec),
         *check_head_cuts(spec),
         *check_pages(spec),

@@ -28,6 +28,7 @@ class Code(str, Enum):
     BAD_LAYER_PARTITION = "BAD_LAYER_PARTITION"
     DRAFTER_TAP_OUT_OF_RANGE = "DRAFTER_TAP_OUT_OF_RANGE"
     KV_POOL_EMPTY = "KV_POOL_EMPTY"
+    MODEL_GEOMETRY_MISMATCH = "MODEL_GEOMETRY_MISMATCH"
 
     def __str__(self) -> str:
         return self.value

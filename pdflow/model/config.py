@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdflow.spec.checkpoint import GEOMETRY_KEYS, geometry_mismatches, hf_architecture, hf_geometry
+
 # Architectures whose attention normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM")
@@ -40,28 +42,27 @@ class DecoderConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
-        archs = raw.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
-        arch = archs[0]
+        arch = hf_architecture(raw)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
-        heads = raw["num_attention_heads"]
+        geo = hf_geometry(raw)
         # transformers 5 writes rope_parameters (theta inside); 4.x rope_theta + rope_scaling.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         eos = raw.get("eos_token_id")
         return cls(
             architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            intermediate_size=raw["intermediate_size"],
+            vocab_size=geo["vocab"],
+            hidden_size=geo["hidden"],
+            num_layers=geo["layers"],
+            num_heads=geo["heads"],
+            num_kv_heads=geo["kv_heads"],
+            head_dim=geo["head_dim"],
+            intermediate_size=geo["intermediate"],
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=rope or None,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=geo["max_model_len"],
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
@@ -101,22 +102,21 @@ class DecoderConfig:
             dtype=dtype, max_model_len=max_model_len, path=path,
         )
 
+    def geometry(self) -> dict[str, Any]:
+        """This config's values of the ModelSpec geometry fields (GEOMETRY_KEYS)."""
+        values = {
+            "architecture": self.architecture, "layers": self.num_layers,
+            "hidden": self.hidden_size, "heads": self.num_heads, "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "intermediate": self.intermediate_size,
+            "vocab": self.vocab_size,
+        }
+        return {k: values[k] for k in GEOMETRY_KEYS}
+
     def check_matches(self, spec) -> None:
         """Refuse a ModelSpec whose geometry disagrees with the checkpoint it points at:
-        the graph would place heads and size units for a model that is not there."""
-        pairs = {
-            "layers": self.num_layers, "hidden": self.hidden_size, "heads": self.num_heads,
-            "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "intermediate": self.intermediate_size, "vocab": self.vocab_size,
-        }
-        wrong = {k: (getattr(spec, k), v) for k, v in pairs.items() if getattr(spec, k) != v}
+        the graph would place heads and size units for a model that is not there (the
+        graph refuses it at plan time too: MODEL_GEOMETRY_MISMATCH)."""
+        wrong = geometry_mismatches(spec, self.geometry())
         if wrong:
-            detail = ", ".join(f"{k}: spec {a} vs checkpoint {b}" for k, (a, b) in wrong.items())
+            detail = ", ".join(f"{k}: spec {a} vs checkpoint {b}" for k, a, b in wrong)
             raise ValueError(f"model spec {spec.name!r} disagrees with {spec.path}: {detail}")
-
-
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from pdflow.spec.checkpoint import checkpoint_field
 from pdflow.spec.drafter import DrafterSpec
 from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
@@ -29,6 +30,8 @@ def register() -> None:
         cs.store(group=group, name=name, node=schema)
     if not OmegaConf.has_resolver("pdflow.range"):
         OmegaConf.register_new_resolver("pdflow.range", lambda a, b: list(range(int(a), int(b))))
+    if not OmegaConf.has_resolver("pdflow.checkpoint"):
+        OmegaConf.register_new_resolver("pdflow.checkpoint", checkpoint_field)
 
 
 register()

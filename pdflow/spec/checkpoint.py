@@ -1,0 +1,96 @@
+"""A checkpoint's geometry, read from its HF ``config.json`` (plain JSON, no torch).
+
+One reading serves three places: conf/model/hf.yaml takes its fields from here (the
+``pdflow.checkpoint`` resolver), the graph refuses a declared geometry that disagrees
+with it, and the model loader builds its DecoderConfig from the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pdflow.spec.dtypes import ALIASES
+
+PACKAGE_PREFIX = "pdflow:"
+
+ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+# ModelSpec fields that must equal the checkpoint's: the graph places heads and sizes
+# KV units from them, so a wrong one serves a model that is not there.
+GEOMETRY_KEYS = ("architecture", "layers", "hidden", "heads", "kv_heads", "head_dim",
+                 "intermediate", "vocab")
+# Further fields a ``model=hf`` config takes from the checkpoint; a declared value may
+# differ on purpose (compute in bf16, serve a shorter context), so they are not checked.
+DEFAULTED_KEYS = ("dtype", "max_model_len")
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """``pdflow:assets/tiny`` -> that folder of the installed pdflow package; any other
+    value is a filesystem path. Raises FileNotFoundError when the folder is missing."""
+    text = str(path)
+    if text.startswith(PACKAGE_PREFIX):
+        inner = text[len(PACKAGE_PREFIX) :].strip("/")
+        resolved = Path(str(resources.files("pdflow").joinpath(inner)))
+    else:
+        resolved = Path(text).expanduser()
+    if not resolved.is_dir():
+        raise FileNotFoundError(f"model folder {resolved} (from {text!r}) does not exist")
+    return resolved
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict (FileNotFoundError names the file)."""
+    file = resolve_model_path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: a HF checkpoint folder holds one")
+    return json.loads(file.read_text())
+
+
+def hf_architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or [ARCH_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
+    return archs[0]
+
+
+def hf_geometry(raw: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec fields (GEOMETRY_KEYS and DEFAULTED_KEYS) of a HF config dict. A config
+    without a dtype is float32 (HF's default); ModelSpec refuses a dtype it cannot use."""
+    heads = raw["num_attention_heads"]
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return {
+        "architecture": hf_architecture(raw),
+        "layers": raw["num_hidden_layers"],
+        "hidden": raw["hidden_size"],
+        "heads": heads,
+        "kv_heads": raw.get("num_key_value_heads") or heads,
+        "head_dim": raw.get("head_dim") or raw["hidden_size"] // heads,
+        "intermediate": raw["intermediate_size"],
+        "vocab": raw["vocab_size"],
+        "dtype": ALIASES.get(dtype, dtype),
+        "max_model_len": raw.get("max_position_embeddings", 4096),
+    }
+
+
+def checkpoint_field(key: str, *, _parent_) -> Any:
+    """OmegaConf resolver ``${pdflow.checkpoint:<key>}`` inside a model config: that field
+    of the checkpoint at the config's ``path`` (``name``: the folder's name)."""
+    path = None if _parent_._get_node("path")._is_missing() else _parent_.path
+    if not path:
+        raise ValueError(f"model.{key} comes from the checkpoint: give model.path=<HF checkpoint "
+                         f"folder> (with config.json), or set model.{key}")
+    if key == "name":
+        return resolve_model_path(path).name
+    return hf_geometry(read_hf_config(path))[key]
+
+
+def geometry_mismatches(model, geometry: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, declared, checkpoint) for every GEOMETRY_KEYS field of ``model`` (a
+    ModelSpec) that disagrees with the checkpoint's ``geometry``."""
+    return [(k, getattr(model, k), geometry[k]) for k in GEOMETRY_KEYS
+            if getattr(model, k) != geometry[k]]
