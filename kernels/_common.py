@@ -21,6 +21,29 @@ def sm_count(device: torch.device, cpu: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Shared memory one program may use when the device cannot be asked: sm_90 (H100/H200)
+# opts in to 227 KiB; 99 KiB fits every other CUDA GPU triton targets.
+SMEM_BYTES_SM90 = 227 * 1024
+SMEM_BYTES_OTHER = 99 * 1024
+
+
+@functools.lru_cache(maxsize=8)
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: triton's own device
+    query, else the table above by compute capability (CPU tensors: sm_90's, so tile
+    choices under the interpreter match the H200's)."""
+    if device.type != "cuda":
+        return SMEM_BYTES_SM90
+    try:
+        from triton.runtime import driver
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # an older triton without the query: the conservative table
+        return SMEM_BYTES_SM90 if torch.cuda.get_device_capability(device)[0] in (9, 10) \
+            else SMEM_BYTES_OTHER
+
+
 def interpreting(t: torch.Tensor) -> bool:
     """True when kernels run under TRITON_INTERPRET (CPU tensors)."""
     return not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

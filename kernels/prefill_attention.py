@@ -11,14 +11,66 @@ must already be in the cache (store_kv first), as in the reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, prefill_shapes, prefill_tile
+from ._common import (
+    LOG2E,
+    dot_precision,
+    interpreting,
+    mma,
+    page_offsets,
+    prefill_shapes,
+    prefill_tile,
+    shared_memory_limit,
+)
 from .reference import prefill_attention as prefill_attention_reference
 
-__all__ = ["prefill_attention", "prefill_attention_reference"]
+__all__ = ["PrefillTiles", "prefill_attention", "prefill_attention_reference", "prefill_tiles",
+           "tile_shared_memory"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Under the interpreter: small tiles keep CPU tests fast (warps and stages do nothing).
+INTERPRETER_TILES = PrefillTiles(block_m=32, block_n=16, num_warps=4, num_stages=1)
+
+
+def tile_shared_memory(block_m: int, block_n: int, head_dim: int, num_stages: int,
+                       itemsize: int) -> int:
+    """An upper bound of the kernel's shared memory: the Q tile plus ``num_stages``
+    buffered K and V tiles (bf16 d128 bm128 bn128 st2 compiles to exactly this)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return (block_m + 2 * num_stages * block_n) * block_d * itemsize
+
+
+def prefill_tiles(itemsize: int, head_dim: int, group_pad: int, smem_limit: int) -> PrefillTiles:
+    """The largest tiles whose shared memory fits ``smem_limit``, starting from the H200's
+    fastest for 16-bit d128 (bm128 bn128 w8 st2): halve BLOCK_N to 32, then drop to one
+    stage, then BLOCK_N to 16, then halve BLOCK_M (never below the padded GQA group)."""
+    block_m, block_n, stages = max(128, group_pad), 128, 2
+    while tile_shared_memory(block_m, block_n, head_dim, stages, itemsize) > smem_limit:
+        if block_n > 32:
+            block_n //= 2
+        elif stages > 1:
+            stages = 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > max(group_pad, 16):
+            block_m //= 2
+        else:  # nothing smaller exists: the compiler will say what it needs
+            break
+    return PrefillTiles(block_m=block_m, block_n=block_n,
+                        num_warps=8 if block_m >= 128 else 4, num_stages=stages)
 
 
 @triton.jit
@@ -98,7 +150,9 @@ def prefill_attention(
     out=None,
 ):
     """q [T, H_q, D] (sequences packed by cu_seqlens_q) -> [T, H_q, D], causal over the
-    paged context; pass ``max_seqlen_q`` to skip a device->host read of the lengths."""
+    paged context; pass ``max_seqlen_q`` to skip a device->host read of the lengths.
+    Tile keywords left None come from ``prefill_tiles`` (fits the device's shared memory
+    for any dtype and head_dim)."""
     t, _, d, ppb, h_kv, page, bsz, max_seqlen_q, group, g_pad = prefill_shapes(
         q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q
     )
@@ -107,11 +161,10 @@ def prefill_attention(
     if t == 0 or bsz == 0:
         return out
     upcast = interpreting(q)
-    if block_m is None:
-        block_m = 128 if not upcast else 32
-    block_m = max(block_m, g_pad, 16)
-    if block_n is None:  # fastest on the H200 (8K, d128, GQA 32/8): bm128 bn128 w8 st2
-        block_n = 128 if not upcast else 16
+    tiles = INTERPRETER_TILES if upcast else prefill_tiles(
+        q.element_size(), d, g_pad, shared_memory_limit(q.device))
+    block_m = max(block_m or tiles.block_m, g_pad, 16)
+    block_n = block_n or tiles.block_n
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     _prefill_kernel[(n_m * bsz * h_kv,)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
@@ -122,6 +175,6 @@ def prefill_attention(
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
         num_warps=num_warps or (8 if block_m >= 128 else 4),
-        num_stages=num_stages or (2 if block_n >= 128 else 3),
+        num_stages=num_stages or tiles.num_stages,
     )
     return out

@@ -77,6 +77,11 @@ def cases():
     yield ("decode split4 page128", DA._paged_split_kernel,
            {**base, "PAGE": 128, "PPB": 1, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
             "BLOCK_X": 16, "SPLITS": 4}, {**dec, "o_ptr": "*fp32"}, dict(num_warps=4, num_stages=3), True)
+    yield ("decode fp32", DA._paged_split_kernel,
+           {**base, "DOT_PREC": "ieee", "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64,
+            "BLOCK_X": 16, "SPLITS": 1},
+           {k: "*fp32" if v == BF else v for k, v in dec.items()},
+           dict(num_warps=4, num_stages=4), True)
     yield ("block K8", DA._paged_split_kernel,
            {**base, "NQ": 8, "NX": 8, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_X": 16, "SPLITS": 1}, dec,
            dict(num_warps=4, num_stages=3), True)
@@ -121,8 +126,34 @@ def cases():
            dict(num_warps=4), False)
 
 
+# (pointer type, itemsize, dot precision) of the dtypes the prefill launcher serves.
+DTYPES = {"fp32": ("*fp32", 4, "ieee"), "bf16": (BF, 2, "tf32"), "fp16": ("*fp16", 2, "tf32")}
+
+
+def picked_prefill_cases():
+    """The pointer prefill at the tiles its launcher picks for sm_90, for the dtype and
+    head_dim pairs whose default tiles would not fit; each must fit, and within the
+    launcher's own shared-memory bound (else the pick could be wrong elsewhere)."""
+    for dt, d in (("fp32", 128), ("fp32", 256), ("bf16", 256), ("fp16", 64)):
+        ptr, itemsize, prec = DTYPES[dt]
+        tiles = PA.prefill_tiles(itemsize, d, 4, SMEM_LIMIT)
+        consts = dict(H_KV=8, G=4, G_PAD=4, D=d, BLOCK_D=d, PAGE=16, PPB=8, DOT_PREC=prec,
+                      UPCAST=False, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+        ptrs = dict(q_ptr=ptr, kc_ptr=ptr, vc_ptr=ptr, cu_ptr="*i32", lens_ptr="*i32",
+                    bt_ptr="*i32", o_ptr=ptr)
+        bound = PA.tile_shared_memory(tiles.block_m, tiles.block_n, d, tiles.num_stages, itemsize)
+        yield (f"prefill {dt} d{d} (picked tiles)", consts, ptrs, bound,
+               dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+
 def main() -> int:
     bad = 0
+    for name, consts, ptrs, bound, opts in picked_prefill_cases():
+        k = compile_sm90(PA._prefill_kernel, consts, ptrs, ("scale_log2",), **opts)
+        ok = k.metadata.shared <= min(SMEM_LIMIT, bound)
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B (bound {bound}), "
+              f"bm{consts['BLOCK_M']} bn{consts['BLOCK_N']} {opts}")
     for name, fn, consts, ptrs, opts, want_async in cases():
         k = compile_sm90(fn, consts, ptrs, ("scale_log2",), **opts)
         n_async = k.asm["ttgir"].count("copy_global_to_local")  # cp.async or TMA
