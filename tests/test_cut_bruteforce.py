@@ -22,7 +22,8 @@ DEPLOYMENTS = {
     "tp4->tp2": ["prefill=tp4", "decode=tp2"],
     "tp4->tp8 (replicated heads)": ["prefill=tp4", "decode=tp8"],
     "pp4->tp4": ["prefill=pp4", "decode=tp4"],
-    "pp4 uneven->tp4": ["prefill=pp4-uneven", "decode=tp4", "model.layers=10"],
+    # Ten layers of tiny's shape: not the shipped checkpoint, so no model.path.
+    "pp4 uneven->tp4": ["prefill=pp4-uneven", "decode=tp4", "model.layers=10", "model.path=null"],
     "pp2xtp2->tp4": ["prefill=pp2", "prefill.tp=2", "decode=tp4"],
 }
 
