@@ -196,3 +196,10 @@ def test_the_check_catches_a_wrong_verifier(monkeypatch, name):
     samples = _run_speculative(target, draft, one_hot=False, seed=6)
     checks = _fits_target(samples, target)
     assert not all(ok for ok, *_ in checks), checks
+
+
+def test_flat_verify_rows_pad_per_request():
+    flat = torch.arange(9.0)[:, None].expand(9, 3)  # rows 0..8: requests of 3, 1 and 5 rows
+    padded = V.padded_rows(flat, torch.tensor([2, 0, 4]))
+    assert padded.shape == (3, 5, 3)
+    assert padded[:, :, 0].tolist() == [[0, 1, 2, 2, 2], [3, 3, 3, 3, 3], [4, 5, 6, 7, 8]]

@@ -21,7 +21,7 @@ from pdflow.spec_decode.eagle import Eagle3Drafter, Eagle3UnderPP, EagleDrafter
 from pdflow.spec_decode.ledger import ContextGap
 from pdflow.spec_decode.sampling import SamplingBatch
 from pdflow.spec_decode.stats import AcceptanceStats, AcceptanceTracker
-from pdflow.spec_decode.verify import VerifyResult, verify
+from pdflow.spec_decode.verify import VerifyResult, padded_rows, verify
 
 __all__ = [
     "AcceptanceStats",
@@ -46,6 +46,7 @@ __all__ = [
     "drafter_config_for",
     "duties",
     "load_drafter",
+    "padded_rows",
     "save_drafter",
     "verify",
 ]

@@ -38,6 +38,17 @@ class VerifyResult:
         return [row[:n] for row, n in zip(self.tokens.tolist(), counts, strict=True)]
 
 
+def padded_rows(flat: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Logits of a verify forward's scored rows, request after request (num_drafts[b] + 1
+    rows each, [sum, V]), as [B, K+1, V] for ``verify`` (padding repeats a request's last row)."""
+    counts = num_drafts.to(torch.int64) + 1
+    k1 = int(counts.max()) if counts.numel() else 1
+    starts = torch.cumsum(counts, 0) - counts
+    offset = torch.arange(k1, device=flat.device)
+    index = starts[:, None] + torch.minimum(offset[None, :], counts[:, None] - 1)
+    return flat[index.to(flat.device)]
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
