@@ -79,6 +79,8 @@ class MooncakeTransport:
             raise ValueError(f"MooncakeTransport serves transfer.backend=mooncake, not {spec.backend!r}")
         if spec.protocol == "tcp":  # `protocol` only picks the allocator; discovery picks the transport
             os.environ.setdefault("MC_FORCE_TCP", "1")
+        # The engine logs every batch at INFO; keep its warnings and errors only.
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as err:  # the wheel, or a shared library it needs, is missing
