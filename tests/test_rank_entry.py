@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-EXAMPLE = """
-from pdflow import LLM, SamplingParams
-from pdflow.spec import ParallelSpec
+README = Path(__file__).resolve().parents[1] / "README.md"
 
-with LLM("pdflow:assets/tiny", ParallelSpec(tp=2, block_size=128, kv_page_tokens=16)) as llm:
-    out = llm.generate(["Question: Mira has 12 apples. Mira buys 7 more apples. How many apples "
-                        "does Mira have now?\\nAnswer:"], SamplingParams(temperature=0, max_tokens=6))
-    print("GENERATED", len(out[0].token_ids), repr(out[0].text))
-"""
+
+def readme_example() -> str:
+    """The README's first Python block, as written there, with fewer tokens and a line
+    the test can find."""
+    block = README.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    assert "max_tokens=64" in block, "the README example changed: update this test"
+    block = block.replace("max_tokens=64", "max_tokens=6")
+    return block + 'print("GENERATED", len(out[0].token_ids), repr(out[0].text))\n'
+
+
+EXAMPLE = readme_example()
 
 
 def _check(run: subprocess.CompletedProcess) -> None:
