@@ -162,8 +162,12 @@ class LocalLauncher(Launcher):
             self._fail(rank, f"exited before it started ({err})")
 
     def start(self) -> list[RankReady]:
-        for rank in range(self.world_size):
-            self._spawn(rank)
+        try:
+            for rank in range(self.world_size):
+                self._spawn(rank)
+        except BaseException:  # e.g. Ctrl-C between two spawns: no rank is left behind
+            self.shutdown(graceful=False)
+            raise
         readies = []
         for rank in range(self.world_size):
             msg = self.recv(rank, self.ready_timeout_s)
