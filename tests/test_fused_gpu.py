@@ -166,7 +166,7 @@ def test_engine_default_is_fused_and_gives_the_unfused_tokens(monkeypatch):
     for setting in ("auto", "off"):
         monkeypatch.setenv(fused.ENV, setting)
         llm = LLM("pdflow:assets/tiny", spec, dtype="bfloat16")
-        model = llm.engine.model
+        model = llm.instance.executor.stage.model
         assert model.uses_fused_kernels(torch.empty(0, device=DEV)) is (setting == "auto")
         runs[setting] = ([o.token_ids for o in llm.generate(prompts, greedy)], llm.tokenizer)
         llm.shutdown()

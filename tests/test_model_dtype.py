@@ -25,7 +25,7 @@ def test_llm_auto_dtype_and_the_tiny_config_agree():
     configured = compose_spec(["model=tiny"]).model
     with LLM(MODEL) as llm:
         served = llm.engine.spec.model
-        params = {p.dtype for p in llm.engine.model.parameters()}
+        params = {p.dtype for p in llm.instance.executor.stage.model.parameters()}
     assert served.dtype == configured.dtype == "fp32"
     assert served.kv_dtype == configured.kv_dtype
     assert params == {torch.float32}

@@ -74,7 +74,7 @@ def _run(folder, monkeypatch, setting: str):
     spec = ParallelSpec(block_size=32, kv_page_tokens=16, num_kv_blocks=16,
                         max_num_batched_tokens=24, enable_prefix_caching=False)
     llm = LLM(str(folder), spec, dtype="float32")
-    assert llm.engine.model.fused_kernels is {"on": True, "off": False}[setting]
+    assert llm.instance.executor.stage.model.fused_kernels is {"on": True, "off": False}[setting]
     gen = torch.Generator().manual_seed(5)
     # 24 batched tokens: the 30-token prompt is chunked, and decode mixes into prefill.
     prompts = [torch.randint(3, 160, (n,), generator=gen).tolist() for n in (30, 7, 12)]
