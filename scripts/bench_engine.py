@@ -206,7 +206,8 @@ def run_pdflow(folder: Path, prompts, args, fused: str) -> dict:
     llm = LLM(str(folder), spec, dtype=args.dtype, max_model_len=longest + args.block_size)
     startup = time.perf_counter() - start
     try:
-        model = getattr(llm.engine, "model", None)  # in-process runs only: a report, not a need
+        stage = getattr(llm.instance.executor, "stage", None)  # in-process runs only: a report
+        model = stage.model if stage is not None else None
         fused_on = None if model is None else model.uses_fused_kernels(
             torch.empty(0, device=args.device))
         first = timed_run(llm, prompts, params, args.device)
