@@ -295,7 +295,8 @@ def write_card(out: Path, record: dict, cfg) -> None:
         f"| parameters | {record['params']:,} (embedding and LM head shared with the target) |",
         f"| held-out arithmetic, greedy, k={ev['k']} | acceptance **{ev['acceptance_rate']:.3f}**, tokens per "
         f"forward **{ev['tokens_per_forward']:.2f}** ({ev['problems']} problems, {ev['verify_steps']} steps) |",
-        f"| acceptance by position | {', '.join(f'{r:.2f}' for r in ev['rate_at'])} |", "",
+        f"| steps accepting draft i (of those offering it), i = 1..{ev['k']} | "
+        f"{', '.join(f'{r:.2f}' for r in ev['rate_at'])} |", "",
         "Acceptance is measured by replaying the target's greedy continuations through the serving",
         "loop's arithmetic with the saved weights; reproduce with the `reproduce` line of",
         "`pdflow_training.json`. Load with `pdflow.spec_decode.load_drafter(path, units)`.", "",
