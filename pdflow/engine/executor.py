@@ -27,6 +27,10 @@ class Executor(Protocol):
         """Between steps: send a control message to every rank, one answer per rank."""
         ...
 
+    def check(self) -> None:
+        """Raise if a rank is gone, without waiting for a step (a liveness probe)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

@@ -108,6 +108,10 @@ class Launcher(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    @abstractmethod
+    def check(self) -> None:
+        """Raise RankFailed if a rank is gone (without waiting for a message)."""
+
     @property
     @abstractmethod
     def pids(self) -> list[int]: ...
@@ -206,6 +210,12 @@ class LocalLauncher(Launcher):
             for dead, proc in enumerate(self._procs):
                 if proc.poll() is not None:
                     self._fail_dead(dead)
+
+    def check(self) -> None:
+        """Raise RankFailed now if any rank has exited (a liveness probe between steps)."""
+        for rank, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                self._fail_dead(rank)
 
     def _fail_dead(self, rank: int):
         """Fail on ``rank``'s exit, with the traceback it sent first if it sent one."""

@@ -198,8 +198,15 @@ class Deployment:
             elif failed is not None:
                 self.consumer.fail_remote(out.request_id)
                 yield self._fail(out.request_id, f"KV transfer failed: {failed}")
+                # A dead consumer rank shows first as failed writes: find out now, so later
+                # requests go to the producer alone instead of failing the same way.
+                yield from self._guarded(CONSUMER, self._probe_consumer)
             else:
                 yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id, out.logprob))
+
+    def _probe_consumer(self) -> list[TokenOutput]:
+        self.consumer.executor.check()
+        return []
 
     def _guarded(self, role: str, step) -> Iterator[TokenOutput]:
         """Run one instance's step; if the instance dies, end its requests with an error."""

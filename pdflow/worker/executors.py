@@ -63,6 +63,9 @@ class InProcessExecutor:
             out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
         return out
 
+    def check(self) -> None:
+        """The rank is this process: alive while this runs."""
+
     def control(self, message: ControlMessage) -> list[Message]:
         """Answer a control message (one rank: one answer)."""
         if self.stage is None:
@@ -127,6 +130,10 @@ class MultiProcessExecutor:
             raise RuntimeError(f"expected StepOutput for step {want}, got {out!r:.200}")
         out.export_failed = failed
         return out
+
+    def check(self) -> None:
+        """Raise RankFailed if any rank has died (the instance is then torn down)."""
+        self.launcher.check()
 
     def control(self, message: ControlMessage) -> list[Message]:
         """Send a control message to every rank between steps; one answer per rank."""
