@@ -58,10 +58,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def shape_overrides(shape: str, args) -> tuple[list[str], int]:
+    # model.path=null: a geometry of our own (no weights are read to move KV bytes).
     if shape == "small":
-        return ["model.layers=2" if args.dry_run else "model.layers=8"], args.small_tokens
+        return ["model.path=null", "model.layers=2" if args.dry_run else "model.layers=8"], args.small_tokens
     layers = 2 if args.dry_run else args.large_layers
-    return [f"model.layers={layers}", "model.head_dim=128", "model.kv_dtype=bf16"], args.large_tokens
+    return ["model.path=null", f"model.layers={layers}", "model.head_dim=128", "model.kv_dtype=bf16"], \
+        args.large_tokens
 
 
 def build(overrides: list[str], staging: bool, request_bytes: int, args):

@@ -23,7 +23,7 @@ BASE = ["prefill=pp4", "decode=tp4", "prefill.kv_page_tokens=16", "decode.kv_pag
         "transfer.staging_mib=2"]
 LAST_STAGE = 3  # holds the drafter, so it also sends draft units
 WRONG = {
-    Code.UNIT_MISMATCH_HEAD_DIM: ["model.head_dim=32"],
+    Code.UNIT_MISMATCH_HEAD_DIM: ["model.path=null", "model.head_dim=32"],
     Code.UNIT_MISMATCH_DTYPE: ["prefill.kv_dtype=bf16", "decode.kv_dtype=bf16"],
     Code.UNIT_MISMATCH_PAGE: ["prefill.kv_page_tokens=128", "decode.kv_page_tokens=128"],
     Code.UNIT_MISMATCH_BLOCK: ["prefill.block_size=64", "decode.block_size=64"],
