@@ -50,17 +50,10 @@ class InProcessExecutor:
         if stage is None:
             raise RuntimeError("this instance has been shut down")
         ids, positions, meta = stage.runner.tensors(step)
-        hidden, taps, graphed = stage.forward(step, ids, positions, meta)
-        if step.exports:
-            failed = stage.link.export(step.exports) if stage.link else dict.fromkeys(
-                (e.request_id for e in step.exports), "this instance has no KV link")
-        out = stage.runner.output(step, stage.runner.logits(step, hidden))
-        out.cuda_graph = graphed
-        if step.exports:
-            out.export_failed = failed
-        if step.capture_taps and taps is not None:
-            host = taps.float().cpu().contiguous()
-            out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
+        hidden, taps, graphed = stage.forward(ids, positions, meta)
+        failed = stage.export(step.exports) if step.exports else {}
+        out = stage.answer(step, stage.runner.logits(step, hidden), taps, graphed)
+        out.export_failed = failed
         return out
 
     def check(self) -> None:

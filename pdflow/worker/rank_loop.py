@@ -76,11 +76,9 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                     taps_in = torch.empty(len(msg.token_ids), relayed_in * hidden_size,
                                           dtype=dtype, device=device)
                     dist.recv(taps_in, src=topo.prev_rank)
-            hidden, taps, graphed = stage.forward(msg, inputs, positions, meta, taps_in)
+            hidden, taps, graphed = stage.forward(inputs, positions, meta, taps_in)
             if msg.exports:  # this stage's layers of the finished prompts are in the cache now
-                failed = stage.link.export(msg.exports) if stage.link else dict.fromkeys(
-                    (e.request_id for e in msg.exports), f"rank {me.label} has no KV link")
-                channel.send(ExportDone(step=msg.step, rank=ctx.rank, failed=failed))
+                channel.send(ExportDone(step=msg.step, rank=ctx.rank, failed=stage.export(msg.exports)))
             if not topo.is_last_stage:
                 dist.send(hidden.contiguous(), dst=topo.next_rank)
                 if relays_out:
@@ -88,11 +86,6 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 continue
             logits = runner.logits(msg, hidden)  # every TP rank joins the vocab all-gather
             if topo.is_driver:
-                out = runner.output(msg, logits)
-                out.cuda_graph = graphed
-                if msg.capture_taps and taps is not None:
-                    host = taps.float().cpu().contiguous()
-                    out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
-                channel.send(out)
+                channel.send(stage.answer(msg, logits, taps, graphed))
     stage.release()
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ from pdflow.graph import RankPlan, RunGraph, parallel_of
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
 from pdflow.model.loader import build_model, model_config
-from pdflow.parallel.messages import StepInput
+from pdflow.parallel.messages import KVExport, StepInput, StepOutput
 from pdflow.spec import ParallelSpec
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
 from pdflow.worker.kv_link import KVLink
@@ -73,7 +73,7 @@ class Stage:
     # P/D: this rank's end of the KV transfer, once the owner opened it.
     link: KVLink | None = None
 
-    def forward(self, step: StepInput, inputs: torch.Tensor, positions: torch.Tensor, meta,
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta,
                 taps_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """Hidden states and relayed taps out of this stage, and whether a CUDA graph ran."""
         if self.graphs is not None and self.graphs.can_run(meta):
@@ -109,6 +109,22 @@ class Stage:
         if self.graphs is not None:
             self.graphs.capture()
         torch.cuda.synchronize(device)
+
+    def export(self, exports: list[KVExport]) -> dict[str, str]:
+        """Write the step's finished prompts to the consumer; the requests that failed."""
+        if self.link is None:
+            return dict.fromkeys((e.request_id for e in exports), f"rank {self.plan.label} has no KV link")
+        return self.link.export(exports)
+
+    def answer(self, step: StepInput, logits: torch.Tensor | None, taps: torch.Tensor | None,
+               graphed: bool) -> StepOutput:
+        """The sampling rank's StepOutput: tokens, whether a graph ran, taps if asked."""
+        out = self.runner.output(step, logits)
+        out.cuda_graph = graphed
+        if step.capture_taps and taps is not None:
+            host = taps.float().cpu().contiguous()
+            out.taps, out.taps_shape = host.numpy().tobytes(), list(host.shape)
+        return out
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """This rank's KV pool, one tensor per unit name (what a KV transfer registers)."""
