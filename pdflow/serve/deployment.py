@@ -124,7 +124,7 @@ class Deployment:
             if self._up(PRODUCER) and self.producer.has_unfinished():
                 yield from self._guarded(PRODUCER, self._step_producer)
             if self._up(CONSUMER) and self.consumer.has_unfinished():
-                yield from self._guarded(CONSUMER, self.consumer.step)
+                yield from self._guarded(CONSUMER, self._step_consumer)
 
     def abort(self, request_id: str) -> bool:
         """End a request now. One whose prompt KV may be in flight to the consumer ends
@@ -204,6 +204,9 @@ class Deployment:
             else:
                 yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id, out.logprob))
 
+    def _step_consumer(self) -> list[TokenOutput]:
+        return [self._record(out) for out in self.consumer.step()]
+
     def _probe_consumer(self) -> list[TokenOutput]:
         self.consumer.executor.check()
         return []
@@ -211,13 +214,12 @@ class Deployment:
     def _guarded(self, role: str, step) -> Iterator[TokenOutput]:
         """Run one instance's step; if the instance dies, end its requests with an error."""
         try:
-            outputs = list(step()) if role == PRODUCER else step()
+            outputs = list(step())  # ran to the end, recorded, before any is yielded
         except Exception as err:  # a lost rank (RankFailed), a lost device, ...
             self.lost[role] = f"{type(err).__name__}: {err}"
             yield from self._lose(role)
             return
-        for out in outputs:
-            yield out if role == PRODUCER else self._record(out)
+        yield from outputs
 
     def _lose(self, role: str) -> Iterator[TokenOutput]:
         engine = self.producer if role == PRODUCER else self.consumer
