@@ -43,6 +43,9 @@ def acceptance(args, kind: str, layout: str, prompts: list[str]) -> str:
             outs = d.generate(prompts, params)
     except GraphRefused as err:
         return f"| {kind} | {layout} | refused: {', '.join(sorted(r.code.value for r in err.refusals))} | | | |"
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        return f"| {kind} | {layout} | {len(errors)} requests failed: {errors[0][:80]} | | | |"
     drafted = sum(o.num_drafted for o in outs)
     accepted = sum(o.num_accepted for o in outs)
     steps = sum(o.num_verify_steps for o in outs)

@@ -204,7 +204,7 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
         drafter, draft_kv = build_rank_drafter(graph, role, me, model, cfg, folder, device, dtype, backend)
         drafting = Drafting(drafter, duties(graph.drafter, role), num_drafts=spec.drafter.num_speculative_tokens,
                             seed=spec.seed, device=device)
-        if not capture and drafter.tap_layers:  # eagle3: taps its checkpoint names (pp=1 only)
+        if not spec.drafter.taps_declared:  # eagle3: taps its checkpoint names (pp=1 only)
             capture = drafter.tap_layers
     runner = StageRunner(model, device, capture_layers=capture)
     first = me.stage == 0
