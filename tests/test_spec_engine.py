@@ -149,3 +149,13 @@ def test_eagle3_under_pp_is_refused_by_the_runtime_too():
     last = graph.instance("decode").stages[-1].ranks[0].rank
     with pytest.raises(Eagle3UnderPP, match="pp=2"):
         build_stage(graph, "decode", last, torch.device("cpu"))
+
+
+def test_a_pp_last_stage_without_tap_layers_captures_none():
+    """dspark taps all on stage 0: the last stage drafts from relayed taps only."""
+    spec = compose_spec([*BASE, "decode.pp=2", "drafter=dspark", "drafter.path=random", "drafter.taps=[1,2]"])
+    graph = build_graph(spec).raise_if_refused()
+    last = graph.instance("decode").stages[-1].ranks[0].rank
+    stage = build_stage(graph, "decode", last, torch.device("cpu"))
+    assert stage.runner.capture_layers == () and stage.drafting is not None
+    stage.release()
