@@ -200,4 +200,6 @@ class LLM:
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs),
             text=self.engine.detokenizer.text(seq), finish_reason=seq.finish_reason,
             num_cached_prompt_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            num_drafted=seq.acceptance.proposed, num_accepted=seq.acceptance.accepted,
+            num_verify_steps=seq.acceptance.verify_steps,
         )

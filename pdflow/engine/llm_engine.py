@@ -15,6 +15,8 @@ from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import KVTarget, Sequence, SequenceStatus
 from pdflow.engine.step_input import build_step_input
 from pdflow.model.config import DecoderConfig
+from pdflow.spec_decode.stats import AcceptanceStats
+from pdflow.worker.stage import draft_lookahead
 
 
 class LLMEngine:
@@ -35,10 +37,15 @@ class LLMEngine:
             num_blocks=instance.num_kv_blocks, block_size=parallel.block_size,
             enable_prefix_caching=parallel.enable_prefix_caching,
         )
+        # Speculative decoding when the graph plans a drafter (its last stage runs it).
+        self.speculative = self.graph.drafter is not None
         self.scheduler = Scheduler(
             self.blocks, max_num_batched_tokens=parallel.max_num_batched_tokens,
-            max_num_seqs=parallel.max_num_seqs,
+            max_num_seqs=parallel.max_num_seqs, lookahead=draft_lookahead(self.graph, self.role),
+            max_model_len=self.max_model_len,
         )
+        # Acceptance over every request this engine verified drafts for.
+        self.acceptance = AcceptanceStats()
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._steps = itertools.count()
@@ -119,17 +126,42 @@ class LLMEngine:
         self.graph_steps += result.cuda_graph
         for seq in batch.seqs:
             seq.in_flight = False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, strict=True):
             if not seq.finished:  # aborted in flight: its blocks are already free
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n - d  # accepted drafts count once appended
                 self.blocks.commit(seq)
-        outputs = []
-        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+        counts = result.num_emitted or [1] * len(sampled)
+        drafts = result.draft_ids or [[] for _ in sampled]
+        samples = {id(seq) for seq in sampled}
+        offered = [d for seq, d in zip(batch.seqs, batch.num_drafts, strict=True) if id(seq) in samples]
+        outputs, at = [], 0
+        for seq, count, d, nxt in zip(sampled, counts, offered, drafts, strict=True):
+            run = list(zip(result.token_ids[at:at + count], result.logprobs[at:at + count], strict=True))
+            at += count
             if seq.finished:
                 continue
             if seq.kv_target is not None and seq.num_output_tokens == 0:
                 self.export_results[seq.request_id] = result.export_failed.get(seq.request_id)
+            if self.speculative and seq.num_output_tokens > 0:  # a decode step: it verified d drafts
+                seq.acceptance.record(d, count - 1)
+                self.acceptance.record(d, count - 1)
+            outputs += self._emit_run(seq, run)
+            if not seq.finished:
+                seq.draft_ids = nxt
+        return outputs
+
+    def _emit_run(self, seq: Sequence, run: list[tuple[int, float]]) -> list[TokenOutput]:
+        """Append a step's tokens (accepted drafts, then one) up to a stop: each accepted
+        draft's K/V came from this step's forward, so it is computed once appended."""
+        outputs = []
+        for i, (token, logprob) in enumerate(run):
             outputs.append(self._emit(seq, token, logprob))
+            if seq.finished:
+                break
+            if i < len(run) - 1:
+                seq.num_computed_tokens += 1
+        if len(run) > 1 and not seq.finished:
+            self.blocks.commit(seq)
         return outputs
 
     def _emit(self, seq: Sequence, token: int, logprob: float) -> TokenOutput:
@@ -140,10 +172,12 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._released.append(seq.request_id)
+        stats = seq.acceptance
         return TokenOutput(
             request_id=seq.request_id, index=seq.num_output_tokens - 1, token_id=token,
             logprob=logprob, text=self.detokenizer.delta(seq), finished=seq.finished,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.finish_reason, num_drafted=stats.proposed, num_accepted=stats.accepted,
+            num_verify_steps=stats.verify_steps,
         )
 
     # -- P/D: a consumer admits a request whose prompt KV another instance writes -------
@@ -169,6 +203,7 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.blocks.commit(seq)
         seq.status = SequenceStatus.RUNNING
+        seq.fresh = True  # the drafter adopts the prompt's transferred draft context
         self.scheduler.running.append(seq)
         return self._emit(seq, token, logprob)
 
@@ -193,12 +228,13 @@ class LLMEngine:
                 return
             step, sampled = build_step_input(
                 batch, block_size=self.parallel.block_size, step=next(self._steps),
-                released=self._released,
+                released=self._released, speculative=self.speculative,
             )
             self._released = []
             self.executor.submit(step)
             for seq in batch.seqs:
                 seq.in_flight = True
+                seq.fresh = False
             self._in_flight.append((batch, sampled))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -20,6 +20,11 @@ class TokenOutput:
     finish_reason: str | None = None
     # Set when the request ended in a fault (finish_reason "error"; token_id is -1).
     error: str | None = None
+    # Speculative decoding, the request's counts so far: drafts offered to the target,
+    # drafts it accepted, and decode forwards that verified them.
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,3 +40,17 @@ class RequestOutput:
     num_preemptions: int = 0
     # Why the request ended in a fault (finish_reason "error").
     error: str | None = None
+    # Speculative decoding: drafts offered, drafts accepted (<= drafted), and the decode
+    # forwards that verified them; tokens per forward = (accepted + steps) / steps.
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        steps = self.num_verify_steps
+        return (self.num_accepted + steps) / steps if steps else 0.0

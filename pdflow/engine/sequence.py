@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.spec_decode.stats import AcceptanceStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,6 +49,12 @@ class Sequence:
     in_flight: bool = False
     # P/D producer: send the prompt's KV here after the step that completes the prompt.
     kv_target: KVTarget | None = None
+    # Speculative decoding: the drafts proposed after the last token (scored with it by
+    # the next step), whether the next forward is the first since admission (the drafter
+    # then adopts the context its pool holds), and this request's acceptance counts.
+    draft_ids: list[int] = field(default_factory=list)
+    fresh: bool = False
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     @property
     def num_tokens(self) -> int:

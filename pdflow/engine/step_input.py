@@ -20,24 +20,32 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bloc
 
 
 def build_step_input(
-    batch: ScheduledBatch, *, block_size: int, step: int, released: list[str]
+    batch: ScheduledBatch, *, block_size: int, step: int, released: list[str], speculative: bool = False,
 ) -> tuple[StepInput, list[Sequence]]:
     """Flattened ids/positions/slots of the batch's new tokens, its block tables, and the
-    sequences sampled this step (those whose last known token is computed now)."""
+    sequences sampled this step (those whose last known token is computed now). With
+    ``speculative``, a decoding sequence's rows are [last token, drafts] and the message
+    says what the drafter needs (drafts per sampled row, next tokens, adopted context)."""
     ids, positions, slots, cu, ctx = [], [], [], [0], []
     sampled: list[Sequence] = []
     rows: list[int] = []
     exports: list[KVExport] = []
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+    num_drafts, next_ids, adopt = [], [], []
+    for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        ids.extend(seq.token_ids[start:end])
+        known = end - d  # rows past it are drafts
+        ids.extend(seq.token_ids[start:known])
+        ids.extend(seq.draft_ids[:d])
         positions.extend(range(start, end))
         _extend_slots(slots, seq.block_table, start, end, block_size)
         cu.append(cu[-1] + n)
         ctx.append(end)
-        if end == seq.num_tokens:
+        next_ids.append(seq.token_ids[known] if known < seq.num_tokens else -1)
+        adopt.append(start if seq.fresh else -1)
+        if known == seq.num_tokens:
             sampled.append(seq)
             rows.append(cu[-1] - 1)
+            num_drafts.append(d)
             target = seq.kv_target
             if target is not None and seq.num_output_tokens == 0:  # the prompt is complete
                 exports.append(KVExport(
@@ -67,4 +75,6 @@ def build_step_input(
         released_seq_ids=released,
         exports=exports,
     )
+    if speculative:
+        message.num_drafts, message.next_token_ids, message.context_adopt = num_drafts, next_ids, adopt
     return message, sampled

@@ -59,6 +59,14 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     capture_taps: bool = False
     # Producer only: KV to send after this step's forward (every rank answers ExportDone).
     exports: list[KVExport] = []
+    # Speculative decoding (empty without a drafter). Per sampled sequence: drafts at the
+    # tail of its rows (its rows are [anchor, drafts]; sample_rows names the last).
+    num_drafts: list[int] = []
+    # Per sequence: the token after its last row when known (a prefill chunk's next prompt
+    # token), else -1; and the draft context entries its pool already holds at its first
+    # forward since admission (prefix-cache hit, transferred prompt), else -1.
+    next_token_ids: list[int] = []
+    context_adopt: list[int] = []
 
 
 class StepOutput(msgspec.Struct, tag=True, kw_only=True):
@@ -73,6 +81,10 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     cuda_graph: bool = False
     # Producer only: request id -> why its KV export failed, merged over every rank.
     export_failed: dict[str, str] = {}
+    # Speculative decoding: tokens each sampled sequence emitted (accepted drafts + 1;
+    # token_ids/logprobs are flat over them), and its drafts for the next step.
+    num_emitted: list[int] = []
+    draft_ids: list[list[int]] = []
 
 
 class ExportDone(msgspec.Struct, tag=True, kw_only=True):

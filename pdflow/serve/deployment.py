@@ -42,6 +42,8 @@ class _Request:
     error: str | None = None
     # Aborted while its KV may still be on the way: ended once the transfer is settled.
     aborted: bool = False
+    # Speculative decoding counts, as the last token reported them.
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
 
 class Deployment:
@@ -242,6 +244,7 @@ class Deployment:
             req.tokens.append(out.token_id)
             req.logprobs.append(out.logprob)
             req.text += out.text
+            req.spec_counts = (out.num_drafted, out.num_accepted, out.num_verify_steps)
             if out.finished:
                 req.finish_reason = out.finish_reason
                 self._settle(req)
@@ -263,6 +266,7 @@ class Deployment:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=req.tokens,
             logprobs=req.logprobs, text=req.text, finish_reason=req.finish_reason, error=req.error,
+            num_drafted=req.spec_counts[0], num_accepted=req.spec_counts[1], num_verify_steps=req.spec_counts[2],
         )
 
     # -- reporting ----------------------------------------------------------------------

@@ -29,6 +29,9 @@ class DrafterSpec:
     taps_declared: bool = True
     # True when context K/V is written apart from propose (dspark): producers skip propose.
     context_kv_only: bool = False
+    # Drafter checkpoint folder (``pdflow:...`` or a path). None: the one shipped next to
+    # the target (``<model.path>-<kind>``) when it exists, else random weights;
+    # "random": random weights (tests: losslessness does not need trained drafts).
     path: str | None = None
     param_count: int | None = None
 

@@ -51,8 +51,10 @@ class InProcessExecutor:
             raise RuntimeError("this instance has been shut down")
         ids, positions, meta = stage.runner.tensors(step)
         hidden, taps, graphed = stage.forward(ids, positions, meta)
+        drafted = stage.draft(step, ids, positions, meta, hidden, taps)
         failed = stage.export(step.exports) if step.exports else {}
-        out = stage.answer(step, stage.runner.logits(step, hidden), taps, graphed)
+        logits = stage.runner.logits(step, hidden) if drafted is None else None
+        out = stage.answer(step, logits, taps, graphed, drafted)
         out.export_failed = failed
         return out
 

@@ -77,6 +77,8 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                                           dtype=dtype, device=device)
                     dist.recv(taps_in, src=topo.prev_rank)
             hidden, taps, graphed = stage.forward(inputs, positions, meta, taps_in)
+            # The drafter writes its units before they are exported (None: no drafter here).
+            drafted = stage.draft(msg, ids, positions, meta, hidden, taps)
             if msg.exports:  # this stage's layers of the finished prompts are in the cache now
                 channel.send(ExportDone(step=msg.step, rank=ctx.rank, failed=stage.export(msg.exports)))
             if not topo.is_last_stage:
@@ -84,8 +86,9 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 if relays_out:
                     dist.send(taps.contiguous(), dst=topo.next_rank)
                 continue
-            logits = runner.logits(msg, hidden)  # every TP rank joins the vocab all-gather
+            # Every TP rank joins the vocab all-gather (the drafter's verify did it already).
+            logits = runner.logits(msg, hidden) if drafted is None else None
             if topo.is_driver:
-                channel.send(stage.answer(msg, logits, taps, graphed))
+                channel.send(stage.answer(msg, logits, taps, graphed, drafted))
     stage.release()
     dist.destroy_process_group()

@@ -22,7 +22,10 @@ from pdflow.model.decoder import CausalLM
 from pdflow.model.loader import build_model, model_config
 from pdflow.parallel.messages import KVExport, StepInput, StepOutput
 from pdflow.spec import ParallelSpec
+from pdflow.spec_decode import duties
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
+from pdflow.worker.drafter_build import build_rank_drafter
+from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
 from pdflow.worker.stage_runner import StageRunner
 
@@ -45,11 +48,19 @@ def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
 
 def served_max_model_len(graph: RunGraph, role: str, cfg: DecoderConfig) -> int:
     """The longest sequence this side serves: the spec's, capped by the checkpoint's
-    positions and by the pool (one sequence must always fit, or preemption could never
-    free enough)."""
+    positions and by the pool (one sequence must always fit, with the blocks its next
+    drafts need, or preemption could never free enough)."""
     par = parallel_of(graph.spec, role)
     wanted = min(graph.spec.model.max_model_len, cfg.max_position_embeddings)
-    return min(wanted, graph.budgets[role].pool_blocks * par.block_size)
+    return min(wanted, graph.budgets[role].pool_blocks * par.block_size - draft_lookahead(graph, role))
+
+
+def draft_lookahead(graph: RunGraph, role: str) -> int:
+    """Positions past a sampled sequence's tokens that its next step's drafts occupy (the
+    owner reserves their blocks): k on a side that keeps drafts, else none."""
+    if graph.drafter is None or not duties(graph.drafter, role).keep_drafts:
+        return 0
+    return graph.spec.drafter.num_speculative_tokens
 
 
 @dataclass(kw_only=True)
@@ -72,6 +83,10 @@ class Stage:
     warm_tokens: int = 0
     # P/D: this rank's end of the KV transfer, once the owner opened it.
     link: KVLink | None = None
+    # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
+    # per-step part and its draft KV pool (units exported like the target's).
+    drafting: Drafting | None = None
+    draft_kv: KVCacheBinding | None = None
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta,
                 taps_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -116,10 +131,23 @@ class Stage:
             return dict.fromkeys((e.request_id for e in exports), f"rank {self.plan.label} has no KV link")
         return self.link.export(exports)
 
+    def draft(self, step: StepInput, ids: torch.Tensor, positions: torch.Tensor, meta,
+              hidden: torch.Tensor, taps: torch.Tensor | None) -> DraftedStep | None:
+        """The drafter's part of the step (every TP rank of the last stage); None when this
+        stage holds no drafter. Runs before the step's export: it writes draft units."""
+        if self.drafting is None:
+            return None
+        return self.drafting.step(step, ids, positions, meta, hidden, taps, self.model.compute_logits)
+
     def answer(self, step: StepInput, logits: torch.Tensor | None, taps: torch.Tensor | None,
-               graphed: bool) -> StepOutput:
+               graphed: bool, drafted: DraftedStep | None = None) -> StepOutput:
         """The sampling rank's StepOutput: tokens, whether a graph ran, taps if asked."""
-        out = self.runner.output(step, logits)
+        if drafted is None:
+            out = self.runner.output(step, logits)
+        else:
+            out = StepOutput(step=step.step, token_ids=[t for run in drafted.tokens for t in run],
+                             logprobs=[x for run in drafted.logprobs for x in run],
+                             num_emitted=[len(run) for run in drafted.tokens], draft_ids=drafted.drafts)
         out.cuda_graph = graphed
         if step.capture_taps and taps is not None:
             host = taps.float().cpu().contiguous()
@@ -127,8 +155,12 @@ class Stage:
         return out
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
-        """This rank's KV pool, one tensor per unit name (what a KV transfer registers)."""
-        return self.kv.by_name()
+        """This rank's KV pool, one tensor per unit name (what a KV transfer registers),
+        draft units included."""
+        caches = self.kv.by_name()
+        if self.draft_kv is not None:
+            caches.update(self.draft_kv.by_name())
+        return caches
 
     def release(self) -> None:
         """Give the device memory back: graphs, caches and weights."""
@@ -141,7 +173,9 @@ class Stage:
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
         self.kv.caches.clear()
-        self.graphs = self.model = self.runner = None
+        if self.draft_kv is not None:
+            self.draft_kv.caches.clear()
+        self.graphs = self.model = self.runner = self.drafting = self.draft_kv = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -163,8 +197,16 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
         tp_rank=me.tp_rank, tp_size=par.tp, seed=spec.seed,
     )
     kv = KVCacheBinding(list(me.target_units), graph.budgets[role].pool_blocks, device)
-    kv.bind(model.attention_layers(), get_backend(par.attention_backend))
-    runner = StageRunner(model, device, capture_layers=stage.taps_captured)
+    backend = get_backend(par.attention_backend)
+    kv.bind(model.attention_layers(), backend)
+    drafting, draft_kv, capture = None, None, stage.taps_captured
+    if graph.drafter is not None and stage.holds_drafter:
+        drafter, draft_kv = build_rank_drafter(graph, role, me, model, cfg, folder, device, dtype, backend)
+        drafting = Drafting(drafter, duties(graph.drafter, role), num_drafts=spec.drafter.num_speculative_tokens,
+                            seed=spec.seed, device=device)
+        if not spec.drafter.taps_declared:  # eagle3: taps its checkpoint names (pp=1 only)
+            capture = drafter.tap_layers
+    runner = StageRunner(model, device, capture_layers=capture)
     first = me.stage == 0
     hidden_in = None if first else cfg.hidden_size
     relayed_in = 0 if first else len(plan.stages[me.stage - 1].taps_relayed)
@@ -178,4 +220,5 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
     pool_tokens = graph.budgets[role].pool_blocks * par.block_size
     warm = min(WARM_UP_TOKENS, par.max_num_batched_tokens, pool_tokens)
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
-                 graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm)
+                 graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm,
+                 drafting=drafting, draft_kv=draft_kv)

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Speculative decoding on the shipped tiny model: acceptance and tokens per forward per
+drafter and layout over held-out arithmetic problems, then decode speed with and without
+the drafter at several batch sizes (ratio against the no-drafter run of the same batch).
+
+The drafter weights are the ones shipped next to the model (pdflow/assets/tiny-<kind>)
+when present, else random (acceptance ~0; the table says which).
+
+    python scripts/bench_spec_decode.py --n 200 --device cuda                      # H200
+    python scripts/bench_spec_decode.py --n 2 --max-tokens 16 --layouts single \\
+        --batches 1 --speed-tokens 16 --device cpu                                  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from pdflow import Deployment, SamplingParams, compose
+from pdflow.bench.tasks import arith_eval_set
+from pdflow.graph import GraphRefused
+from pdflow.worker.drafter_build import drafter_checkpoint
+
+LAYOUTS = {
+    "single": ["mode=monolithic", "prefill=tp1", "decode=tp1"],
+    "pp4->tp4": ["prefill=pp4", "decode=tp4"],
+    "tp4->tp4": ["prefill=tp4", "decode=tp4"],
+}
+
+
+def _base(args, kind: str) -> list[str]:
+    out = [f"drafter={kind}", "tracking=off", f"prefill.device={args.device}", f"decode.device={args.device}"]
+    if kind != "none":
+        out.append(f"drafter.num_speculative_tokens={args.k}")
+    return out
+
+
+def acceptance(args, kind: str, layout: str, prompts: list[str]) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    try:
+        spec = compose([*_base(args, kind), *LAYOUTS[layout]])
+        with Deployment(spec) as d:
+            outs = d.generate(prompts, params)
+    except GraphRefused as err:
+        return f"| {kind} | {layout} | refused: {', '.join(sorted(r.code.value for r in err.refusals))} | | | |"
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        return f"| {kind} | {layout} | {len(errors)} requests failed: {errors[0][:80]} | | | |"
+    drafted = sum(o.num_drafted for o in outs)
+    accepted = sum(o.num_accepted for o in outs)
+    steps = sum(o.num_verify_steps for o in outs)
+    weights = drafter_checkpoint(spec)
+    rate = accepted / drafted if drafted else 0.0
+    tpf = (accepted + steps) / steps if steps else 0.0
+    return (f"| {kind} | {layout} | {rate:.3f} | {tpf:.2f} | {drafted} | "
+            f"{weights.name if weights else 'random'} |")
+
+
+def speed(args, kind: str, batch: int, prompts: list[str]) -> float:
+    """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored)."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.speed_tokens, ignore_eos=True)
+    chosen = [prompts[i % len(prompts)] for i in range(batch)]
+    overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}"]
+    with Deployment(compose(overrides)) as d:
+        d.generate(chosen[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm
+        start = time.perf_counter()
+        outs = d.generate(chosen, params)
+        elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=200, help="held-out arithmetic problems")
+    parser.add_argument("--k", type=int, default=7, help="drafts per step")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--kinds", default="dspark,eagle,eagle3")
+    parser.add_argument("--layouts", default="single,pp4->tp4,tp4->tp4")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--speed-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    prompts = [item.prompt for item in arith_eval_set(args.n)]
+    print(f"# acceptance at k={args.k}, {args.n} held-out arith problems, greedy, "
+          f"max_tokens={args.max_tokens}, device={args.device}")
+    print("| drafter | layout | acceptance | tokens/forward | drafted | weights |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        for layout in args.layouts.split(","):
+            print(acceptance(args, kind, layout, prompts), flush=True)
+    print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
+    print("| batch | none | " + " | ".join(f"{k} | {k}/none" for k in kinds) + " |")
+    print("|---|---|" + "---|---|" * len(kinds))
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        base = speed(args, "none", batch, prompts)
+        cells = []
+        for kind in kinds:
+            rate = speed(args, kind, batch, prompts)
+            cells.append(f"{rate:.1f} | {rate / base:.2f}x")
+        print(f"| {batch} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
