@@ -76,12 +76,15 @@ def _arith_prompts(n):
                            "so a drop in acceptance cannot show)")
 def test_wrong_draft_cut_drops_acceptance_and_stays_lossless():
     prompts = _arith_prompts(8)
-    params = SamplingParams(temperature=0, max_tokens=16)
-    pd = ["prefill=pp2", "decode=tp2", "drafter=dspark"]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    # Five-shot prompts (~1.7K tokens): pools and batches sized for them.
+    roomy = ["prefill.num_kv_blocks=160", "decode.num_kv_blocks=160", "prefill.max_num_batched_tokens=2048",
+             "decode.max_num_batched_tokens=2048"]
+    pd = ["prefill=pp2", "decode=tp2", "drafter=dspark", *roomy]
     right = _generate(pd, prompts, params)
     wrong = _generate([*pd, "transfer.force_page_ignorant_cut=[draft]"], prompts, params)
     rate = lambda outs: sum(o.num_accepted for o in outs) / max(1, sum(o.num_drafted for o in outs))
     assert [o.token_ids for o in wrong] == [o.token_ids for o in right]  # lossless either way
-    one = _generate(["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=dspark"], prompts, params)
+    one = _generate(["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=dspark", *roomy], prompts, params)
     assert abs(rate(right) - rate(one)) < 0.05  # the right cut costs nothing
     assert rate(wrong) < rate(right) - 0.02, (rate(wrong), rate(right))
