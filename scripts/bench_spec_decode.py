@@ -35,24 +35,30 @@ def _base(args, kind: str) -> list[str]:
     return out
 
 
-def acceptance(args, kind: str, layout: str, prompts: list[str]) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+def greedy(args, overrides: list[str], prompts: list[str]):
+    with Deployment(compose(overrides)) as d:
+        return d.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+
+
+def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list[list[int]]) -> str:
+    """One row; ``reference`` is one process's greedy tokens without a drafter."""
     try:
         spec = compose([*_base(args, kind), *LAYOUTS[layout]])
-        with Deployment(spec) as d:
-            outs = d.generate(prompts, params)
+        outs = greedy(args, [*_base(args, kind), *LAYOUTS[layout]], prompts)
     except GraphRefused as err:
-        return f"| {kind} | {layout} | refused: {', '.join(sorted(r.code.value for r in err.refusals))} | | | |"
+        return f"| {kind} | {layout} | refused: {', '.join(sorted(r.code.value for r in err.refusals))} | | | | |"
     errors = [o.error for o in outs if o.error]
     if errors:
-        return f"| {kind} | {layout} | {len(errors)} requests failed: {errors[0][:80]} | | | |"
+        return f"| {kind} | {layout} | {len(errors)} requests failed: {errors[0][:80]} | | | | |"
+    differ = sum(o.token_ids != ref for o, ref in zip(outs, reference, strict=True))
+    lossless = "yes" if not differ else f"NO: {differ} of {len(outs)} differ"
     drafted = sum(o.num_drafted for o in outs)
     accepted = sum(o.num_accepted for o in outs)
     steps = sum(o.num_verify_steps for o in outs)
     weights = drafter_checkpoint(spec)
     rate = accepted / drafted if drafted else 0.0
     tpf = (accepted + steps) / steps if steps else 0.0
-    return (f"| {kind} | {layout} | {rate:.3f} | {tpf:.2f} | {drafted} | "
+    return (f"| {kind} | {layout} | {rate:.3f} | {tpf:.2f} | {drafted} | {lossless} | "
             f"{weights.name if weights else 'random'} |")
 
 
@@ -84,11 +90,13 @@ def main() -> None:
     prompts = [item.prompt for item in arith_eval_set(args.n)]
     print(f"# acceptance at k={args.k}, {args.n} held-out arith problems, greedy, "
           f"max_tokens={args.max_tokens}, device={args.device}")
-    print("| drafter | layout | acceptance | tokens/forward | drafted | weights |")
-    print("|---|---|---|---|---|---|")
+    reference = [o.token_ids for o in greedy(args, [*_base(args, "none"), *LAYOUTS["single"]], prompts)]
+    print("(lossless: the same greedy tokens as one process without a drafter)")
+    print("| drafter | layout | acceptance | tokens/forward | drafted | lossless | weights |")
+    print("|---|---|---|---|---|---|---|")
     for kind in kinds:
         for layout in args.layouts.split(","):
-            print(acceptance(args, kind, layout, prompts), flush=True)
+            print(acceptance(args, kind, layout, prompts, reference), flush=True)
     print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
     print("| batch | none | " + " | ".join(f"{k} | {k}/none" for k in kinds) + " |")
     print("|---|---|" + "---|---|" * len(kinds))
