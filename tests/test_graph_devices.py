@@ -38,6 +38,12 @@ def test_decode_base_follows_the_prefill_world_size(graph_of):
     assert devices(graph, "decode") == [4, 5]
 
 
+def test_a_monolithic_decode_starts_at_gpu_0(graph_of):
+    """No prefill instance runs, so nothing holds GPUs 0-3."""
+    assert devices(graph_of("prefill=pp4", "decode=tp4", "mode=monolithic").raise_if_refused(), "decode") == [
+        0, 1, 2, 3]
+
+
 def test_device_offset_overrides_each_side(graph_of):
     graph = graph_of("prefill=pp4", "decode=tp4", "decode.device_offset=0", "prefill.device_offset=2")
     graph = graph.raise_if_refused()

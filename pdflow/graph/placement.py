@@ -94,12 +94,15 @@ def first_device(spec: RunSpec, role: str) -> int:
     An instance's ``device_offset`` wins when set. Otherwise the prefill starts at GPU 0
     and the decode right after the prefill's ranks, so a P/D pair on one host never
     shares a GPU: PP4 prefill -> TP4 decode puts the prefill stages on GPUs 0-3 and the
-    decode ranks on 4-7, as the reference deployment does.
+    decode ranks on 4-7, as the reference deployment does. A monolithic run starts no
+    prefill instance, so its decode starts at GPU 0.
     """
     par = parallel_of(spec, role)
     if par.device_offset is not None:
         return par.device_offset
-    return 0 if role == PRODUCER else spec.prefill.world_size
+    if role == PRODUCER or spec.mode == "monolithic":
+        return 0
+    return spec.prefill.world_size
 
 
 def _rank_units(
