@@ -83,6 +83,9 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         spec = spec_from_config(cfg)
         graph = build_graph(spec)
         tracked.log_json("plan.json", graph.to_dict())
+        from pdflow.graph.picture import plan_figure
+
+        tracked.log_figure("plan.png", plan_figure(graph))
         if graph.refusals:
             tracked.set_tag("pdflow.refusals", ",".join(sorted(c.name for c in graph.codes())))
             raise GraphRefused(graph.refusals)
