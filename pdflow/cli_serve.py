@@ -24,7 +24,8 @@ import threading
 import hydra
 from omegaconf import DictConfig
 
-from pdflow.graph import build_graph
+from pdflow.graph import GraphRefused, build_graph
+from pdflow.graph.host import HostFacts, host_refusals
 from pdflow.spec.load import spec_from_config
 
 CONFIG_PATH = "pkg://pdflow.conf"
@@ -54,7 +55,10 @@ def _serve(cfg: DictConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = spec_from_config(cfg)
     if not spec.serve.backends and spec.serve.role != "router":
-        build_graph(spec).raise_if_refused()
+        graph = build_graph(spec).raise_if_refused()
+        refusals = host_refusals(graph, HostFacts.probe(spec))
+        if refusals:
+            raise GraphRefused(refusals)
     from pdflow.serve.launch import api_key_of
 
     if spec.serve.host not in LOOPBACK and not api_key_of(spec):
