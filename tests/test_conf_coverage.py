@@ -16,7 +16,7 @@ from pdflow.spec.load import group_choices
 pytestmark = pytest.mark.slow
 
 TINY = ["workload.num_requests=1", "workload.max_tokens=4", "workload.concurrency=1", "workload.k_shot=1",
-        "workload.context_len=256", "workload.depths=[0.5]", "workload.prompt_tokens=16",
+        "workload.context_len=768", "workload.depths=[0.5]", "workload.prompt_tokens=16",
         "workload.input_len=[8,16]", "workload.output_len=[2,4]", "workload.trace=trace.jsonl",
         "workload.progress=false"]
 HF_TINY = ["model=hf", "model.path=pdflow:assets/tiny"]
