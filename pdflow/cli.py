@@ -52,7 +52,7 @@ def _groups_help() -> str:
 
 
 def plan_help() -> str:
-    return f"""usage: pdflow plan [--json] [-m] [override ...]
+    return f"""usage: pdflow plan [--json] [--png FILE] [-m] [override ...]
 
 Build and check the run graph of a deployment without starting anything (no GPU, no
 process): stages and ranks with their layers and heads, drafter taps and relays, KV units,
@@ -60,6 +60,8 @@ head cuts between prefill and decode, block budgets, and every refusal with its 
 
 options:
   --json          print the graph as JSON instead of tables
+  --png FILE      also draw it to FILE: stages, ranks, KV heads, the cuts between them
+                  (a sweep writes FILE-<job>.png per job)
   -m, --multirun  sweep: an override with a comma list (prefill=pp4,tp4) runs one plan per
                   combination; Hydra keeps a multirun/<date>/<time>/ folder in the current
                   directory (a single plan writes nothing)
@@ -129,6 +131,7 @@ def job_spec(cfg: DictConfig, outcome: JobsOutcome) -> RunSpec | None:
 @dataclass(kw_only=True, slots=True)
 class _PlanState:
     json: bool = False
+    png: str | None = None
     outcome: JobsOutcome = field(default_factory=JobsOutcome)
 
 
@@ -148,6 +151,15 @@ def _plan(cfg: DictConfig) -> None:
         from pdflow.graph.render import render
 
         render(graph)
+    if _plan_state.png is not None:
+        from pathlib import Path
+
+        from pdflow.graph.picture import write_png
+
+        path = Path(_plan_state.png)
+        if outcome.sweep:
+            path = path.with_name(f"{path.stem}-{HydraConfig.get().job.num}{path.suffix}")
+        write_png(graph, path)
     if graph.refusals:
         name = job_name()
         outcome.refused.append(name)
@@ -185,7 +197,14 @@ def plan_command(args: list[str]) -> int:
     if "-h" in args or "--help" in args:
         print(plan_help())
         return EXIT_OK
-    _plan_state.json, _plan_state.outcome = "--json" in args, JobsOutcome()
+    png = None
+    if "--png" in args:
+        at = args.index("--png")
+        if at + 1 >= len(args) or args[at + 1].startswith("-") or "=" in args[at + 1]:
+            print("pdflow plan: --png needs a file name (pdflow plan --png plan.png ...)", file=sys.stderr)
+            return EXIT_CONFIG
+        png, args = args[at + 1], args[:at] + args[at + 2:]
+    _plan_state.json, _plan_state.png, _plan_state.outcome = "--json" in args, png, JobsOutcome()
     code = run_hydra_app(_plan, "plan", [a for a in args if a != "--json"])
     return code or _plan_state.outcome.exit_code("plan")
 

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pdflow.graph import GraphRefused, build_graph
+from pdflow.graph.host import HostFacts, host_refusals
 from pdflow.spec import TrackingSpec
 from pdflow.spec.load import spec_from_config
 from pdflow.tracking.callback import JOB_NAME, close_open_sweeps
@@ -83,9 +84,13 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         spec = spec_from_config(cfg)
         graph = build_graph(spec)
         tracked.log_json("plan.json", graph.to_dict())
-        if graph.refusals:
-            tracked.set_tag("pdflow.refusals", ",".join(sorted(c.name for c in graph.codes())))
-            raise GraphRefused(graph.refusals)
+        from pdflow.graph.picture import plan_figure
+
+        tracked.log_figure("plan.png", plan_figure(graph))
+        refusals = list(graph.refusals) or host_refusals(graph, HostFacts.probe(spec))
+        if refusals:
+            tracked.set_tag("pdflow.refusals", ",".join(sorted({r.code.name for r in refusals})))
+            raise GraphRefused(refusals)
         workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
         with serve_spec(spec, port=0) as served:

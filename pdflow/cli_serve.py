@@ -1,8 +1,17 @@
 """``pdflow serve [hydra overrides...]``: plan, start, wait for /health, print the URL,
 serve until Ctrl-C or SIGTERM, then stop everything and exit 0.
 
-Serves the spec's decode side as one instance on ``serve.host:serve.port``; with
-``serve.backends=[URL,...]`` it serves a router over instances started elsewhere.
+By default the spec's deployment (prefill and decode instances driven from this process)
+on ``serve.host:serve.port``; with ``serve.backends=[URL,...]`` a router over instances
+started elsewhere. Instances started as separate commands, on one host or several:
+
+    pdflow serve role=decode  serve.port=8200 [overrides]
+    pdflow serve role=prefill serve.port=8100 [the same overrides]
+    pdflow serve role=router  serve.port=8000 serve.prefill=[http://HOST:8100] \
+        serve.decode=[http://HOST:8200]
+
+(``role=`` is short for ``serve.role=``.) Each instance is its own process group; the
+router refuses instances that describe different run graphs (RunGraphMismatch).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import threading
 import hydra
 from omegaconf import DictConfig
 
-from pdflow.graph import build_graph
+from pdflow.graph import GraphRefused, build_graph
+from pdflow.graph.host import HostFacts, host_refusals
 from pdflow.spec.load import spec_from_config
 
 CONFIG_PATH = "pkg://pdflow.conf"
@@ -26,7 +36,13 @@ def serve_until_signalled(spec, stop: threading.Event) -> None:
     from pdflow.serve.launch import serve_spec
 
     with serve_spec(spec) as served:
-        what = f"router over {', '.join(served.backends)}" if served.backends else f"model {served.model_name}"
+        role = spec.serve.role
+        if served.backends:
+            what = f"router over {', '.join(served.backends)}"
+        elif role in ("prefill", "decode"):
+            what = f"the {role} instance of model {served.model_name}"
+        else:
+            what = f"model {served.model_name}"
         auth = " (API key required)" if served.api_key else ""
         print(f"pdflow serve: {what} at {served.url}/v1{auth}; Ctrl-C stops", flush=True)
         while not stop.wait(0.5):
@@ -38,8 +54,11 @@ def serve_until_signalled(spec, stop: threading.Event) -> None:
 def _serve(cfg: DictConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = spec_from_config(cfg)
-    if not spec.serve.backends:
-        build_graph(spec).raise_if_refused()
+    if not spec.serve.backends and spec.serve.role != "router":
+        graph = build_graph(spec).raise_if_refused()
+        refusals = host_refusals(graph, HostFacts.probe(spec))
+        if refusals:
+            raise GraphRefused(refusals)
     from pdflow.serve.launch import api_key_of
 
     if spec.serve.host not in LOOPBACK and not api_key_of(spec):
@@ -57,4 +76,5 @@ def _serve(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Entry for ``pdflow serve`` (``pdflow.cli`` has set sys.argv to the overrides)."""
+    sys.argv = [("serve." + a) if a.startswith("role=") else a for a in sys.argv]
     _serve()

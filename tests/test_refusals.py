@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdflow.graph import Code
-from pdflow.graph.refusals import PAIRING_ONLY
+from pdflow.graph.refusals import HOST_ONLY, PAIRING_ONLY
 from pdflow.spec import attention
 
 MHA_K0 = "mha.fp32_d64.k.layer_0"
@@ -98,7 +98,8 @@ def test_near_miss_is_accepted(graph_of, code):
 
 
 def test_every_code_has_a_case():
-    assert set(CASES) | {Code.REGION_TWO_TO_ONE} | PAIRING_ONLY == set(Code)  # pairing: test_transfer_pairing
+    # pairing: test_transfer_pairing; host: test_conf_coverage
+    assert set(CASES) | {Code.REGION_TWO_TO_ONE} | PAIRING_ONLY | HOST_ONLY == set(Code)
 
 
 def test_two_producers_into_one_consumer_unit(graph_of):

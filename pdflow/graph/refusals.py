@@ -29,6 +29,9 @@ class Code(str, Enum):
     DRAFTER_TAP_OUT_OF_RANGE = "DRAFTER_TAP_OUT_OF_RANGE"
     KV_POOL_EMPTY = "KV_POOL_EMPTY"
     MODEL_GEOMETRY_MISMATCH = "MODEL_GEOMETRY_MISMATCH"
+    # Raised only against the host a command launches on (pdflow.graph.host).
+    DEVICE_UNAVAILABLE = "DEVICE_UNAVAILABLE"
+    RDMA_UNAVAILABLE = "RDMA_UNAVAILABLE"
     # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
     PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
     PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"
@@ -49,6 +52,9 @@ STRUCTURAL = frozenset(
 
 # Refusals that need a live peer's published memory, never raised by validate().
 PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID})
+
+# Refusals that need the launching host's facts, never raised by validate().
+HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -169,6 +169,9 @@ class EngineLoop:
             ticket = self._active.get(out.request_id)
             if ticket is None:  # aborted after the step produced it
                 continue
+            if out.error is not None:  # a fault ended it (a lost instance, a failed KV transfer)
+                self._finish(ticket, StreamEvent(error=out.error, error_status=502))
+                continue
             self._on_token(ticket, now)
             ticket.last_token_at = now
             event = StreamEvent(token_ids=[out.token_id], text=out.text)

@@ -1,8 +1,10 @@
 """Bring up what a run spec serves, behind the HTTP API, as a context manager.
 
-The spec's deployment (``pdflow.Deployment``: a prefill instance writing each prompt's KV
-into a decode instance, or with ``mode=monolithic`` the decode instance alone) driven from
-this process, its API on a uvicorn thread; or a router over given instance URLs.
+By ``serve.role``: the spec's deployment (``pdflow.Deployment``: a prefill instance
+writing each prompt's KV into a decode instance, or with ``mode=monolithic`` the decode
+instance alone) driven from this process, its API on a uvicorn thread; or one instance
+of the run graph (``prefill``, ``decode``: ``pd_instance``); or a router, over given
+instance URLs (``serve.backends``) or pairing ``serve.prefill`` with ``serve.decode``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,19 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
     port = spec.serve.port if port is None else port
     key, name = api_key_of(spec), model_name_of(spec)
     with contextlib.ExitStack() as stack:
-        if spec.serve.backends:
+        role = spec.serve.role
+        if role in ("prefill", "decode"):
+            from pdflow.serve.pd_instance import instance_app
+
+            app = instance_app(spec, stack, api_key=key, model_name=name)
+        elif role == "router":
+            from pdflow.serve.pd_instance import check_instances
+            from pdflow.serve.router import create_router
+
+            check_instances(list(spec.serve.prefill), list(spec.serve.decode), api_key=key,
+                            timeout=spec.serve.ready_timeout_s)
+            app = create_router(list(spec.serve.decode), api_key=key, prefill=list(spec.serve.prefill))
+        elif spec.serve.backends:
             from pdflow.serve.router import create_router
 
             app = create_router(list(spec.serve.backends), api_key=key)
@@ -68,4 +82,5 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
             app = create_app(host, model_name=name, api_key=key)
         server = stack.enter_context(ServerThread(app, host=spec.serve.host, port=port))
         wait_healthy(server.url, timeout=spec.serve.ready_timeout_s)
-        yield Served(url=server.url, model_name=name, api_key=key, backends=tuple(spec.serve.backends))
+        backends = spec.serve.decode if role == "router" else spec.serve.backends
+        yield Served(url=server.url, model_name=name, api_key=key, backends=tuple(backends))

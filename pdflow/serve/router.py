@@ -1,8 +1,10 @@
 """A router with the instance API: forwards each request to a backend URL and streams the
 answer back unchanged.
 
-Backends are picked round robin (``RoundRobin``; a P/D picker will pair a producer with a
-consumer behind the same ``pick``). A backend's own answer, 4xx included, passes through;
+Backends are picked round robin (``RoundRobin``). With ``prefill`` URLs the backends are
+decode instances and each generation request is paired: it goes to the next decode
+instance with the next prefill instance named in its ``x-pdflow-prefill`` header, and the
+decode instance has that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passes through;
 a backend that cannot be reached is skipped for the next one, and when none answers the
 client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502. Every
 error has the OpenAI shape.
@@ -23,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from pdflow.serve.api import bearer_guard, install_error_handlers
 from pdflow.serve.errors import APIError, error_body
+from pdflow.serve.pd_wire import PREFILL_HEADER
 
 FORWARDED_HEADERS = ("content-type", "accept")
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -55,9 +58,11 @@ class RouterMetrics:
 
 
 def create_router(backends: list[str], *, api_key: str | None = None,
-                  backend_api_key: str | None = None, timeout_s: float = 600.0) -> FastAPI:
+                  backend_api_key: str | None = None, timeout_s: float = 600.0,
+                  prefill: list[str] | None = None) -> FastAPI:
     """``backend_api_key`` (default: ``api_key``) is sent to the backends."""
     picker = RoundRobin(backends)
+    producers = RoundRobin(prefill) if prefill else None
     metrics = RouterMetrics()
     forward_key = backend_api_key if backend_api_key is not None else api_key
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -77,12 +82,15 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             out["authorization"] = f"Bearer {forward_key}"
         return out
 
-    async def forward(request: Request) -> Response:
+    async def forward(request: Request, *, paired: bool = False) -> Response:
         body = await request.body()
+        headers = headers_for(request)
+        if paired and producers is not None:
+            headers[PREFILL_HEADER] = producers.pick()[0]
         unreachable = []
         for backend in picker.pick():
             upstream = client.build_request(request.method, backend + request.url.path, content=body,
-                                            headers=headers_for(request))
+                                            headers=headers)
             try:
                 answer = await client.send(upstream, stream=True)
             except CONNECT_ERRORS as exc:
@@ -129,13 +137,14 @@ def create_router(backends: list[str], *, api_key: str | None = None,
     @app.get("/health")
     async def health():
         states = {}
-        for backend in picker.backends:
+        for backend in [*picker.backends, *(producers.backends if producers else ())]:
             try:
                 r = await client.get(backend + "/health", timeout=5.0)
                 states[backend] = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
                 states[backend] = type(exc).__name__
-        if "ok" not in states.values():
+        groups = [picker.backends] + ([producers.backends] if producers else [])
+        if not all(any(states[b] == "ok" for b in group) for group in groups):
             return JSONResponse(error_body(503, f"no healthy backend: {states}", code="no_backend")
                                 | {"backends": states}, status_code=503)
         return {"status": "ok", "backends": states}
@@ -150,10 +159,10 @@ def create_router(backends: list[str], *, api_key: str | None = None,
 
     @app.post("/v1/completions", dependencies=guard)
     async def completions(request: Request):
-        return await forward(request)
+        return await forward(request, paired=True)
 
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat_completions(request: Request):
-        return await forward(request)
+        return await forward(request, paired=True)
 
     return app

@@ -68,6 +68,9 @@ class WorkloadSpec:
             raise ValueError("workload needs request_rate >= 0, time_scale > 0, request_timeout_s > 0")
 
 
+SERVE_ROLES = ("deployment", "prefill", "decode", "router")
+
+
 @dataclass(kw_only=True, slots=True)
 class ServeSpec:
     """Where ``pdflow serve``/``pdflow run`` expose the OpenAI-compatible API."""
@@ -82,6 +85,13 @@ class ServeSpec:
     model_name: str | None = None
     # Non-empty: serve a router over these instance URLs instead of an instance.
     backends: list[str] = field(default_factory=list)
+    # What this ``pdflow serve`` process is: "deployment" (both P/D instances in this
+    # process, or a router with ``backends``), "prefill" or "decode" (one instance of the
+    # run graph, its own process group), "router" (pairs ``prefill`` with ``decode`` URLs).
+    role: str = "deployment"
+    # role=router: the prefill and decode instances' URLs, each taken round robin.
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -89,9 +99,18 @@ class ServeSpec:
             raise ValueError(f"serve.port must be 0 (pick free) or a port number, got {self.port}")
         if not self.host:
             raise ValueError("serve.host must be an address to bind (127.0.0.1 for loopback only)")
-        bad = [u for u in self.backends if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"serve.backends must be http(s):// URLs, got {bad}")
+        for name in ("backends", "prefill", "decode"):
+            bad = [u for u in getattr(self, name) if not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"serve.{name} must be http(s):// URLs, got {bad}")
+        if self.role not in SERVE_ROLES:
+            raise ValueError(f"serve.role {self.role!r} is not one of {SERVE_ROLES}")
+        if self.role == "router" and not (self.prefill and self.decode):
+            raise ValueError("serve.role=router needs serve.prefill=[URL,...] and serve.decode=[URL,...] "
+                             "(the instances started with serve.role=prefill and serve.role=decode)")
+        if self.role != "router" and (self.prefill or self.decode):
+            raise ValueError(f"serve.prefill/serve.decode name a router's instances; serve.role is {self.role!r} "
+                             "(set serve.role=router)")
         if self.ready_timeout_s <= 0:
             raise ValueError("serve.ready_timeout_s must be positive")
 

@@ -15,6 +15,10 @@ class TransferSpec:
     protocol: str = "tcp"
     # RDMA device name(s) for Mooncake; empty for TCP.
     device: str = ""
+    # The address this host's ranks give their peers for KV writes (Mooncake's local
+    # hostname); empty: 127.0.0.1. Set it to the host's reachable IP when the producer and
+    # the consumer run on different hosts.
+    host: str = ""
     # First port of the per-rank handshake listeners; 0 picks free loopback ports.
     handshake_base_port: int = 0
     # Explicit producer-unit -> consumer-unit names ("" = not sent); others map by name.

@@ -85,6 +85,7 @@ class MooncakeTransport:
             from mooncake.engine import TransferEngine
         except ImportError as err:  # the wheel, or a shared library it needs, is missing
             raise ImportError(f"Mooncake Transfer Engine unavailable ({err}); {INSTALL_HINT}") from err
+        host = spec.host or host
         self.spec = spec
         self.registration_limit = registration_limit
         self.engine = TransferEngine()

@@ -1,0 +1,72 @@
+"""Refusals against the host a command launches on, before anything starts.
+
+``pdflow plan`` plans for the hardware a spec describes (a reference deployment on eight
+MI355X GPUs plans on a laptop); ``pdflow run`` and ``pdflow serve`` also need that
+hardware here. The facts (``HostFacts``: CUDA devices and RDMA ports) are probed once
+by the command and passed in, so the checks themselves are pure and testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdflow.graph.placement import CONSUMER, PRODUCER, parallel_of
+from pdflow.graph.refusals import Code, Refusal
+from pdflow.graph.run_graph import RunGraph
+
+RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostFacts:
+    """What this host can run on: CUDA devices and RDMA device names."""
+
+    cuda_devices: int
+    rdma_devices: tuple[str, ...]
+
+    @classmethod
+    def probe(cls, spec) -> HostFacts:
+        """This host's facts; CUDA is counted (torch imported) only when the spec asks for it."""
+        cuda = 0
+        if "cuda" in (spec.prefill.device, spec.decode.device):
+            import torch
+
+            cuda = torch.cuda.device_count()
+        rdma = tuple(sorted(p.name for p in RDMA_SYSFS.iterdir())) if RDMA_SYSFS.is_dir() else ()
+        return cls(cuda_devices=cuda, rdma_devices=rdma)
+
+
+def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
+    """Every reason ``graph`` cannot launch on ``host`` (empty when it can)."""
+    spec, out = graph.spec, []
+    if graph.producer is None or graph.consumer is None:
+        return out  # refused by its structure already
+    for role in [CONSUMER] if spec.mode == "monolithic" else [PRODUCER, CONSUMER]:
+        par = parallel_of(spec, role)
+        plan = graph.instance(role)
+        if par.device == "cpu":
+            continue
+        if par.device != "cuda":
+            out.append(Refusal(code=Code.DEVICE_UNAVAILABLE,
+                               message=f"{role}.device={par.device} describes hardware this command cannot "
+                               "launch on (it runs on cpu or cuda); the spec is a plan of another deployment.",
+                               fix=f"plan it with `pdflow plan`, or run with {role}.device=cpu|cuda."))
+            continue
+        last = max(r.device_index for r in plan.ranks)
+        if last >= host.cuda_devices:
+            out.append(Refusal(code=Code.DEVICE_UNAVAILABLE,
+                               message=f"{role} rank on GPU {last} but this host has {host.cuda_devices} CUDA "
+                               "device(s).",
+                               fix=f"use fewer ranks, set {role}.device_offset, or {role}.device=cpu."))
+    if spec.mode == "pd" and spec.transfer.protocol == "rdma":
+        wanted = [d for d in spec.transfer.device.split(",") if d]
+        missing = [d for d in wanted if d not in host.rdma_devices] if wanted else ["(none named)"]
+        if missing:
+            have = ", ".join(host.rdma_devices) or "none"
+            out.append(Refusal(code=Code.RDMA_UNAVAILABLE,
+                               message=f"transfer.protocol=rdma over {', '.join(missing)}, but this host's RDMA "
+                               f"devices are: {have}.",
+                               fix="use transfer=mooncake_tcp, or set transfer.device to a device listed in "
+                               f"{RDMA_SYSFS}."))
+    return out

@@ -1,0 +1,240 @@
+"""A consumer instance served on its own (``pdflow serve serve.role=decode``).
+
+A request the router sends with ``x-pdflow-prefill: <producer URL>`` is admitted the way
+``Deployment`` admits one: the consumer allocates the prompt's blocks and parks it; a
+worker thread pairs with that producer once (``POST /pdflow/pair``: this instance's KV
+endpoints) and asks it to prefill into those blocks (``POST /pdflow/prefill``); the
+answer's first token resumes the request here, which decodes on. A failed exchange ends
+the request with an error and frees its blocks; an aborted one frees them only once the
+producer has answered, so no late write lands in reused blocks. A request without the
+header is served whole (this instance holds the whole model).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import queue
+import secrets
+import threading
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+from fastapi import Depends, FastAPI
+
+from pdflow.engine.llm_engine import LLMEngine
+from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.api import EngineHost, bearer_guard
+from pdflow.serve.backend import DraftStats
+from pdflow.serve.engine_loop import EngineLoop, Ticket
+from pdflow.serve.pd_wire import (
+    INSTANCE_PATH,
+    PAIR_PATH,
+    PREFILL_HEADER,
+    PREFILL_PATH,
+    InstanceCard,
+    PairRequest,
+    PrefillAnswer,
+    RemotePrefill,
+    WireSampling,
+)
+
+IDLE_WAIT_S = 0.005
+EXCHANGE_THREADS = 8
+
+_producer_of_request: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdflow_producer", default=None)
+
+
+class PrefillFrom(list):
+    """Prompt ids of a request whose prefill a producer does (its URL in ``producer``)."""
+
+    __slots__ = ("producer",)
+
+    def __init__(self, ids: list[int], producer: str):
+        super().__init__(ids)
+        self.producer = producer
+
+
+class ProducerHeader:
+    """ASGI middleware: the request's ``x-pdflow-prefill`` header, for ``PairingLoop``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        value = dict(scope["headers"]).get(PREFILL_HEADER.encode())
+        token = _producer_of_request.set(value.decode().rstrip("/") if value else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _producer_of_request.reset(token)
+
+
+class PairingLoop(EngineLoop):
+    """The engine loop, with each submitted prompt tagged by its request's producer."""
+
+    def submit(self, ticket: Ticket) -> None:
+        producer = _producer_of_request.get()
+        if producer and not isinstance(ticket.prompt_token_ids, PrefillFrom):
+            ticket.prompt_token_ids = PrefillFrom(ticket.prompt_token_ids, producer)
+        super().submit(ticket)
+
+
+class DecodeBackend:
+    """The consumer's ``ServingBackend``."""
+
+    def __init__(self, engine: LLMEngine, *, fingerprint: str, api_key: str | None, timeout_s: float):
+        self.engine = engine
+        self.consumer_id = uuid.uuid4().hex[:12]
+        self.pair_request = PairRequest(consumer_id=self.consumer_id, fingerprint=fingerprint,
+                                        endpoints=engine.instance.open_kv_link())
+        self.waiting: deque[tuple[str, PrefillFrom, SamplingParams]] = deque()  # the pool was full
+        self.in_flight: set[str] = set()
+        self.aborted: set[str] = set()
+        self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
+        self._failed: list[TokenOutput] = []
+        self._ids = itertools.count()
+        self._paired: set[str] = set()
+        self._pair_lock = threading.Lock()
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
+        self._pool = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="pdflow-prefill")
+
+    # -- ServingBackend ----------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.engine.num_free_kv_blocks
+
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+        rid = f"r{next(self._ids)}"
+        if not isinstance(prompt_token_ids, PrefillFrom):
+            return self.engine.add_request(list(prompt_token_ids), sampling, rid)
+        if not self._start(rid, prompt_token_ids, sampling):  # a refused prompt raises here
+            self.waiting.append((rid, prompt_token_ids, sampling))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        if request_id in self.in_flight:
+            self.aborted.add(request_id)  # its blocks are freed once the producer answers
+            return True
+        for item in self.waiting:
+            if item[0] == request_id:
+                self.waiting.remove(item)
+                return True
+        return self.engine.abort(request_id)
+
+    def step(self) -> list[TokenOutput]:
+        while self.waiting and self._start(*self.waiting[0]):
+            self.waiting.popleft()
+        outputs, self._failed = self._failed, []
+        outputs += self._take_results(wait=not self.engine.has_unfinished() and not outputs)
+        if self.engine.has_unfinished():
+            outputs += self.engine.step()
+        return outputs
+
+    def draft_stats(self, request_id: str) -> DraftStats | None:
+        return None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+        self.engine.shutdown()
+
+    # -- the exchange ------------------------------------------------------------------
+
+    def _start(self, rid: str, prompt: PrefillFrom, sampling: SamplingParams) -> bool:
+        """Allocate the prompt's blocks and hand the prefill to a worker thread; False
+        while the pool is short."""
+        blocks = self.engine.add_remote_request(list(prompt), sampling, rid)
+        if blocks is None:
+            return False
+        job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
+                            sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
+                                                  top_p=sampling.top_p, seed=sampling.seed),
+                            blocks=blocks, nonce=secrets.randbits(63))
+        self.in_flight.add(rid)
+        self._pool.submit(self._exchange, prompt.producer, job)
+        return True
+
+    def _exchange(self, producer: str, job: RemotePrefill) -> None:
+        try:
+            self._pair(producer)
+            answer = self._post(producer + PREFILL_PATH, job, PrefillAnswer)
+        except Exception as err:  # every failure ends this request, never the instance
+            answer = PrefillAnswer(token_id=-1, logprob=0.0, error=f"prefill at {producer} failed: {err}")
+        self.results.put((job.request_id, answer))
+
+    def _pair(self, producer: str) -> None:
+        with self._pair_lock:
+            if producer not in self._paired:
+                self._post(producer + PAIR_PATH, self.pair_request, None)
+                self._paired.add(producer)
+
+    def _post(self, url: str, message, kind):
+        r = self._client.post(url, content=msgspec.json.encode(message),
+                              headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:500]}")
+        return msgspec.json.decode(r.content, type=kind) if kind is not None else None
+
+    def _take_results(self, *, wait: bool) -> list[TokenOutput]:
+        outputs = []
+        try:
+            item = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
+        except queue.Empty:
+            return outputs
+        while item is not None:
+            rid, answer = item
+            self.in_flight.discard(rid)
+            if rid in self.aborted:
+                self.aborted.discard(rid)
+                self.engine.fail_remote(rid, "abort")
+            elif answer.error is not None:
+                self.engine.fail_remote(rid)
+                outputs.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
+                                           finish_reason="error", error=answer.error))
+            else:
+                outputs.append(self.engine.complete_remote_prefill(rid, answer.token_id, answer.logprob))
+            try:
+                item = self.results.get_nowait()
+            except queue.Empty:
+                item = None
+        return outputs
+
+
+def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None) -> None:
+    app.add_middleware(ProducerHeader)
+
+    @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
+    async def instance():
+        return msgspec.to_builtins(card)
+
+
+def pairing_host(backend: DecodeBackend) -> EngineHost:
+    """An ``EngineHost`` whose loop tags prompts with the request's producer."""
+    host = EngineHost(backend)
+    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish)
+    return host

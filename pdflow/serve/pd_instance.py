@@ -1,0 +1,90 @@
+"""One side of a P/D run graph as its own server, and the router's check of its instances.
+
+``instance_app`` builds the producer (``serve.role=prefill``) or the consumer
+(``serve.role=decode``) of the spec's graph, with its own ranks, behind the OpenAI API
+plus the internal ``/pdflow/`` routes (``pd_wire``). ``check_instances`` is what a P/D
+router does before it serves: every instance healthy, of the role it was given as, and
+all of one run graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import msgspec
+
+from pdflow.graph import CONSUMER, PRODUCER
+from pdflow.serve.pd_wire import (
+    CONSUMER_ROLE,
+    INSTANCE_PATH,
+    PRODUCER_ROLE,
+    InstanceCard,
+    RunGraphMismatch,
+    check_same_graph,
+    fingerprint,
+)
+from pdflow.spec import RunSpec
+from pdflow.spec.errors import ConfigError
+
+EXCHANGE_TIMEOUT_S = 600.0
+
+
+def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | None, model_name: str):
+    """The app of this process's instance; its engine stops when ``stack`` closes."""
+    from pdflow.engine.instance import Instance
+    from pdflow.engine.llm_engine import LLMEngine
+    from pdflow.serve.api import EngineHost, create_app
+
+    role = spec.serve.role
+    if spec.mode != "pd":
+        raise ConfigError(f"serve.role={role} serves one side of a P/D run graph, but mode={spec.mode}; "
+                          "use mode=pd (or serve.role=deployment for a monolithic instance)")
+    engine = LLMEngine(Instance(spec, PRODUCER if role == PRODUCER_ROLE else CONSUMER))
+    stack.callback(engine.shutdown)  # also when the backend below fails to start
+    print_ = fingerprint(spec)
+    card = InstanceCard(role=role, model=model_name, fingerprint=print_, max_model_len=engine.max_model_len)
+    if role == PRODUCER_ROLE:
+        from pdflow.serve.pd_prefill import PrefillBackend, add_prefill_routes
+
+        host = EngineHost(PrefillBackend(engine))
+    else:
+        from pdflow.serve.pd_decode import DecodeBackend, pairing_host
+
+        backend = DecodeBackend(engine, fingerprint=print_, api_key=api_key, timeout_s=EXCHANGE_TIMEOUT_S)
+        stack.callback(backend.shutdown)
+        host = pairing_host(backend)
+    host.start()
+    stack.callback(host.stop)
+    app = create_app(host, model_name=model_name, api_key=api_key)
+    if role == PRODUCER_ROLE:
+        add_prefill_routes(app, host, card, api_key=api_key)
+    else:
+        from pdflow.serve.pd_decode import add_decode_routes
+
+        add_decode_routes(app, card, api_key=api_key)
+    return app
+
+
+def instance_card(url: str, *, api_key: str | None, timeout: float) -> InstanceCard:
+    from pdflow.serve.server import wait_healthy
+
+    wait_healthy(url, timeout=timeout)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url + INSTANCE_PATH, headers=headers, timeout=10.0)
+    if r.status_code != 200:
+        raise RunGraphMismatch(f"{url} is not a pdflow P/D instance ({INSTANCE_PATH} answered {r.status_code}); "
+                               "start it with `pdflow serve serve.role=prefill|decode ...`")
+    return msgspec.convert(r.json(), InstanceCard, strict=False, from_attributes=False)
+
+
+def check_instances(prefill: list[str], decode: list[str], *, api_key: str | None, timeout: float) -> None:
+    """Refuse (``RunGraphMismatch``) instances of the wrong role or of different graphs."""
+    cards = {}
+    for urls, role in ((prefill, PRODUCER_ROLE), (decode, CONSUMER_ROLE)):
+        for url in urls:
+            card = instance_card(url.rstrip("/"), api_key=api_key, timeout=timeout)
+            if card.role != role:
+                raise RunGraphMismatch(f"{url} was given as a {role} instance but serves serve.role={card.role}")
+            cards[url] = card
+    check_same_graph(cards)

@@ -1,0 +1,212 @@
+"""A producer instance served on its own (``pdflow serve serve.role=prefill``).
+
+Its OpenAI API serves requests whole (it holds the whole model); its internal routes
+take consumers' pairing and their remote prefills (``pd_wire``). A remote prefill rides
+the same engine loop as an API request: its prompt is a ``RemotePrompt`` carrying the
+exchange, so one thread steps the engine. The ranks write into one consumer at a time
+(a rank's KV link keeps one set of peers), so a prefill for another consumer waits until
+the engine is idle and re-pairs there; nothing is in flight to the old one then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections import deque
+
+import msgspec
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from pdflow.engine.llm_engine import LLMEngine
+from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import KVTarget
+from pdflow.parallel.messages import KVEndpoint
+from pdflow.serve.api import EngineHost, bearer_guard
+from pdflow.serve.backend import DraftStats
+from pdflow.serve.errors import APIError
+from pdflow.serve.pd_wire import (
+    INSTANCE_PATH,
+    PAIR_PATH,
+    PREFILL_PATH,
+    InstanceCard,
+    PairRequest,
+    PrefillAnswer,
+    RemotePrefill,
+)
+from pdflow.transfer.errors import PairingRefused
+
+IDLE_SLEEP_S = 0.002
+
+
+class RemotePrompt(list):
+    """A consumer's prompt ids, with the exchange it came in (blocks, nonce, consumer)."""
+
+    __slots__ = ("job",)
+
+    def __init__(self, job: RemotePrefill):
+        super().__init__(job.prompt_token_ids)
+        self.job = job
+
+
+class PrefillBackend:
+    """The producer's ``ServingBackend``: API requests whole, remote prefills into a
+    paired consumer's blocks."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.consumers: dict[str, list[KVEndpoint]] = {}
+        self.paired: str | None = None
+        # Remote prefills not yet in the engine (waiting to re-pair): (id, job, sampling).
+        self.pending: deque[tuple[str, RemotePrefill, SamplingParams]] = deque()
+        self.remote: set[str] = set()  # in the engine, answer not yet taken
+        self.answers: dict[str, PrefillAnswer] = {}
+        self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
+        self._failed: list[TokenOutput] = []
+        self._ids = itertools.count()
+
+    # -- ServingBackend ----------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.engine.num_free_kv_blocks
+
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+        rid = f"p{next(self._ids)}"
+        if isinstance(prompt_token_ids, RemotePrompt):
+            if len(prompt_token_ids) >= self.max_model_len:
+                raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                                 f"max_model_len {self.max_model_len}")
+            self.pending.append((rid, prompt_token_ids.job, sampling))
+        else:
+            self.engine.add_request(list(prompt_token_ids), sampling, rid)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        for item in self.pending:
+            if item[0] == request_id:
+                self.pending.remove(item)
+                return True
+        self.remote.discard(request_id)
+        return self.engine.abort(request_id)
+
+    def step(self) -> list[TokenOutput]:
+        self._admit_remote()
+        outputs, self._failed = self._failed, []
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id in self.remote:
+                    self.remote.discard(out.request_id)
+                    failed = self.engine.export_results.pop(out.request_id, None)
+                    self.answers[out.request_id] = PrefillAnswer(token_id=out.token_id, logprob=out.logprob,
+                                                                 error=failed and f"KV transfer failed: {failed}")
+                    self.prefills += failed is None
+                outputs.append(out)
+        elif not outputs:
+            time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
+        return outputs
+
+    def draft_stats(self, request_id: str) -> DraftStats | None:
+        return None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # -- remote prefills ---------------------------------------------------------------
+
+    def _admit_remote(self) -> None:
+        while self.pending:
+            rid, job, sampling = self.pending[0]
+            if job.consumer_id != self.paired:
+                if self.engine.has_unfinished():
+                    return  # re-pair once nothing is in flight to the current consumer
+                endpoints = self.consumers.get(job.consumer_id)
+                if endpoints is None:
+                    self.pending.popleft()
+                    self._fail(rid, f"consumer {job.consumer_id} has not paired with this prefill instance "
+                               f"(POST {PAIR_PATH} first)")
+                    continue
+                try:
+                    self.engine.instance.pair(endpoints)
+                except PairingRefused as err:
+                    self.pending.popleft()
+                    self.consumers.pop(job.consumer_id, None)
+                    self._fail(rid, f"pairing refused: {err}")
+                    continue
+                self.paired = job.consumer_id
+            self.pending.popleft()
+            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce)
+            try:
+                self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1),
+                                        rid, kv_target=target)
+            except ValueError as err:
+                self._fail(rid, str(err))
+                continue
+            self.remote.add(rid)
+
+    def _fail(self, rid: str, why: str) -> None:
+        self.answers[rid] = PrefillAnswer(token_id=-1, logprob=0.0, error=why)
+        self._failed.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
+                                        finish_reason="error", error=why))
+
+
+def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:
+    backend: PrefillBackend = host.backend
+    guard = [Depends(bearer_guard(api_key))]
+
+    @app.get(INSTANCE_PATH, dependencies=guard)
+    async def instance():
+        return msgspec.to_builtins(card) | {"prefills": backend.prefills}
+
+    @app.post(PAIR_PATH, dependencies=guard)
+    async def pair(request: Request):
+        ask = _decode(await request.body(), PairRequest)
+        if ask.fingerprint != card.fingerprint:
+            raise APIError(409, f"RunGraphMismatch: consumer {ask.consumer_id} describes run graph "
+                           f"{ask.fingerprint}, this prefill instance {card.fingerprint}; start both with the "
+                           "same overrides", code="run_graph_mismatch")
+        backend.consumers[ask.consumer_id] = ask.endpoints
+        return {"paired": ask.consumer_id}
+
+    @app.post(PREFILL_PATH, dependencies=guard)
+    async def prefill(request: Request):
+        job = _decode(await request.body(), RemotePrefill)
+        s = job.sampling
+        try:
+            sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                                      max_tokens=1)
+        except ValueError as err:
+            raise APIError(400, str(err), code="invalid_value") from None
+        ticket, events = host.loop.open_stream(RemotePrompt(job), sampling)
+        event = await events.get()
+        while not event.done:
+            event = await events.get()
+        answer = backend.answers.pop(ticket.request_id, None) if ticket.request_id else None
+        if answer is None:
+            answer = PrefillAnswer(token_id=-1, logprob=0.0, error=event.error or f"ended: {event.finish_reason}")
+        return Response(msgspec.json.encode(answer), media_type="application/json")
+
+
+def _decode(body: bytes, kind: type):
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as err:
+        raise APIError(400, f"invalid {kind.__name__}: {err}", code="invalid_value") from None

@@ -1,0 +1,93 @@
+"""What separately started P/D instances say to each other and to their router.
+
+Three internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
+
+- ``GET /pdflow/instance`` on either instance: its ``InstanceCard`` (role, model, the run
+  graph's fingerprint). A router refuses instances of different graphs before it serves.
+- ``POST /pdflow/pair`` on a producer: a consumer's ``PairRequest`` (its KV endpoints,
+  one per rank); the producer checks the fingerprint and keeps them.
+- ``POST /pdflow/prefill`` on a producer: a ``RemotePrefill`` (prompt ids, sampling, the
+  consumer's block ids and nonce); the producer prefills, writes the prompt's KV into those
+  blocks over the transfer engine and answers a ``PrefillAnswer`` (the first token).
+
+The router sends each request to a consumer with the ``x-pdflow-prefill`` header naming
+the producer; the consumer allocates the blocks and drives the exchange (see
+docs/ARCHITECTURE.md, "Separately started instances").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import msgspec
+
+from pdflow.graph import build_graph
+from pdflow.parallel.messages import KVEndpoint
+from pdflow.spec import RunSpec
+
+PREFILL_HEADER = "x-pdflow-prefill"
+INSTANCE_PATH, PAIR_PATH, PREFILL_PATH = "/pdflow/instance", "/pdflow/pair", "/pdflow/prefill"
+PRODUCER_ROLE, CONSUMER_ROLE = "prefill", "decode"
+
+
+class RunGraphMismatch(RuntimeError):
+    """Two instances (or an instance and its router) were built from different run graphs:
+    a producer would write KV laid out for another consumer."""
+
+
+class InstanceCard(msgspec.Struct, kw_only=True):
+    role: str
+    model: str
+    fingerprint: str
+    max_model_len: int
+
+
+class PairRequest(msgspec.Struct, kw_only=True):
+    consumer_id: str
+    fingerprint: str
+    endpoints: list[KVEndpoint]
+
+
+class WireSampling(msgspec.Struct, kw_only=True):
+    """The sampling fields a prefill needs (it samples the first token)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+class RemotePrefill(msgspec.Struct, kw_only=True):
+    consumer_id: str
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSampling
+    blocks: list[int]
+    nonce: int
+
+
+class PrefillAnswer(msgspec.Struct, kw_only=True):
+    token_id: int
+    logprob: float
+    # Set when the KV did not land (the consumer frees the request's blocks).
+    error: str | None = None
+
+
+def fingerprint(spec: RunSpec) -> str:
+    """The run graph both instances must share (placement, units, cuts, budgets) and the
+    weights' identity; serving settings (ports, role) are left out."""
+    graph = build_graph(spec).raise_if_refused()
+    what = {"graph": graph.to_dict(), "model": spec.model.name, "dtype": spec.model.dtype,
+            "drafter": spec.drafter.kind, "mode": spec.mode}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_same_graph(cards: dict[str, InstanceCard]) -> None:
+    """Refuse a set of instances (by URL) that do not describe one run graph."""
+    prints = {url: card.fingerprint for url, card in cards.items()}
+    if len(set(prints.values())) > 1:
+        listing = ", ".join(f"{url} ({cards[url].role}): {fp}" for url, fp in prints.items())
+        raise RunGraphMismatch(f"the instances describe different run graphs: {listing}. Start every "
+                               "instance with the same overrides (model, prefill, decode, drafter, transfer); "
+                               "only serve.* may differ.")
