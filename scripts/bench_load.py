@@ -121,8 +121,9 @@ def main() -> None:
             host.stop()
         counted = sample(after, "pdflow_requests_total", outcome="length") - sample(
             before, "pdflow_requests_total", outcome="length")
-        free, total = deployment.free_kv_blocks(), {"prefill": deployment.producer.num_kv_blocks,
-                                                     "decode": deployment.consumer.num_kv_blocks}
+        free = deployment.free_kv_blocks()
+        total = {role: e.num_kv_blocks for role, e in (("prefill", deployment.producer),
+                                                       ("decode", deployment.consumer)) if e is not None}
     finally:
         deployment.shutdown()
     print(f"served : {report.line()}")

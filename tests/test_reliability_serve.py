@@ -269,3 +269,44 @@ def test_load_through_the_router_completes_everything_and_counts_agree(stack):
                  outcome="ok") == LOAD_REQUESTS
     for outcome in ("error", "abort", "rejected"):
         assert delta(after, before, "pdflow_requests_total", outcome=outcome) == 0
+
+
+# -- admission -------------------------------------------------------------------------------
+
+
+def test_a_full_kv_pool_queues_a_bounded_few_and_refuses_the_rest_with_retry_after():
+    """Eight blocks of 16 tokens; each request's prompt needs three, so two run at once,
+    two may wait (max_queued) for half a second, and the rest are refused at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdflow import LLM
+    from pdflow.serve.admission import AdmissionPolicy
+    from pdflow.spec import ParallelSpec
+
+    parallel = ParallelSpec(block_size=16, kv_page_tokens=16, num_kv_blocks=8, max_num_seqs=8)
+    llm = LLM("pdflow:assets/tiny", parallel, max_model_len=128)
+    with contextlib.ExitStack() as stop:
+        stop.callback(llm.shutdown)
+        host = EngineHost(LLMBackend.from_llm(llm),
+                          admission=AdmissionPolicy(max_queued=2, queue_timeout_s=0.5, retry_after_s=2)).start()
+        stop.callback(host.stop)
+        instance = stop.enter_context(ServerThread(create_app(host, model_name="tiny")))
+        router = stop.enter_context(ServerThread(create_router([instance.url])))
+        body = {"model": "tiny", "prompt": list(range(4, 44)), "max_tokens": 80, "ignore_eos": True}
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda _: httpx.post(router.url + "/v1/completions", json=body, timeout=120),
+                                    range(12)))
+        served = [r for r in answers if r.status_code == 200]
+        refused = [r for r in answers if r.status_code == 503]
+        assert len(served) + len(refused) == len(answers), [r.text for r in answers]
+        assert all(r.headers["retry-after"] == "2" for r in refused)
+        assert all(r.json()["error"]["code"] == "server_overloaded" for r in refused)
+        assert 2 <= len(served) <= 2 + 2, "more requests were served than could be held or queued"
+        assert any("capacity" in r.json()["error"]["message"] for r in refused)  # refused at once
+        assert host.loop.admission.num_waiting == 0 and host.loop.admission.reserved == 0
+        deadline = time.monotonic() + 10
+        while llm.num_free_kv_blocks != llm.num_kv_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.num_free_kv_blocks == llm.num_kv_blocks
+        again = httpx.post(router.url + "/v1/completions", json=body | {"max_tokens": 2}, timeout=60)
+        assert again.status_code == 200, again.text
