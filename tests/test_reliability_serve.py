@@ -37,7 +37,7 @@ OVERRIDES = ["prefill=tp1", "decode=tp1", "drafter=none", f"model.max_model_len=
              "transfer.timeout_s=10"]
 # The load test's size: 1000 at concurrency 64 takes minutes on this CPU deployment
 # (scripts/bench_load.py runs those); this many still keeps 64 in flight for two waves.
-LOAD_REQUESTS, LOAD_CONCURRENCY = 128, 64
+LOAD_REQUESTS, LOAD_CONCURRENCY = 1000, 64
 
 
 @dataclass
