@@ -192,30 +192,43 @@ def test_schemathesis_finds_no_server_error(stack):
 # -- disconnects -----------------------------------------------------------------------------
 
 
+def _wait_aborted(stack: Stack, before: dict, count: int) -> dict:
+    """The instance's metrics once ``count`` aborts were counted since ``before`` and the
+    engine is idle (or after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = scrape(stack.instance)
+        aborted = sample(now, "pdflow_requests_total", outcome="abort") - sample(
+            before, "pdflow_requests_total", outcome="abort")
+        if (aborted >= count and stack.host.loop.num_active == 0) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
 def test_a_client_gone_mid_stream_is_aborted_on_both_instances(stack):
     before = scrape(stack.instance)
     body = {"model": MODEL, "prompt": [9] * 40, "max_tokens": 50, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", stack.router + "/v1/completions", json=body, timeout=60) as s:
         assert next(s.iter_lines()).startswith("data: ")
-    # And one that leaves before any answer, straight at the instance: it may still be
-    # queued, prefilling on the producer, or on its way to the consumer.
+    _wait_aborted(stack, before, 1)
+    # And one that leaves as soon as the engine took it, straight at the instance: it may
+    # still be queued, prefilling on the producer, or on its way to the consumer.
     with socket.create_connection(stack.instance.removeprefix("http://").split(":")) as raw:
-        payload = (b'{"model": "tiny-pd", "prompt": [' + b"11," * 60 + b'11], "max_tokens": 50, "stream": true,'
+        payload = (b'{"model": "tiny-pd", "prompt": [' + b"11," * 30 + b'11], "max_tokens": 50, "stream": true,'
                    b' "ignore_eos": true}')
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    deadline = time.monotonic() + 30
-    while True:
-        after = scrape(stack.instance)
-        aborted = sample(after, "pdflow_requests_total", outcome="abort") - sample(
-            before, "pdflow_requests_total", outcome="abort")
-        if aborted >= 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while stack.host.loop.num_active == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert stack.host.loop.num_active == 1, "the engine never took the request"
+    after = _wait_aborted(stack, before, 2)
     stack.assert_no_leak()
+    aborted = sample(after, "pdflow_requests_total", outcome="abort") - sample(
+        before, "pdflow_requests_total", outcome="abort")
     generated = sample(after, "pdflow_generation_tokens_total") - sample(before, "pdflow_generation_tokens_total")
     assert aborted == 2
-    assert generated < 50, "the disconnected request ran on to its end"
+    assert generated < 50, "a disconnected request ran on to its end"
     _served_after(stack)
 
 
@@ -308,5 +321,8 @@ def test_a_full_kv_pool_queues_a_bounded_few_and_refuses_the_rest_with_retry_aft
         while llm.num_free_kv_blocks != llm.num_kv_blocks and time.monotonic() < deadline:
             time.sleep(0.05)
         assert llm.num_free_kv_blocks == llm.num_kv_blocks
+        counted = scrape(instance.url)
+        assert sample(counted, "pdflow_requests_total", outcome="rejected") == len(refused)
+        assert sample(counted, "pdflow_requests_total", outcome="error") == 0
         again = httpx.post(router.url + "/v1/completions", json=body | {"max_tokens": 2}, timeout=60)
         assert again.status_code == 200, again.text

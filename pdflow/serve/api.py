@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.admission import AdmissionPolicy
@@ -79,6 +80,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         return JSONResponse(error_body(400, str(exc.errors()[0].get("msg"))), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):  # left while sending its body
+        return Response(status_code=499)
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         code = "not_found" if exc.status_code == 404 else None
@@ -98,7 +103,8 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
 
     def count_refusal(request: Request, exc: APIError) -> None:
         if request.url.path in GENERATION_PATHS:
-            metrics.count("rejected" if exc.status < 500 else "error")
+            refused = exc.status < 500 or exc.retry_after_s is not None  # overloaded: not a fault
+            metrics.count("rejected" if refused else "error")
 
     install_error_handlers(app, count_refusal)
 
