@@ -209,6 +209,22 @@ def plan_command(args: list[str]) -> int:
     return code or _plan_state.outcome.exit_code("plan")
 
 
+def take_api_key(args: list[str]) -> list[str]:
+    """``--api-key KEY`` (or ``--api-key=KEY``) out of ``args`` into ``$PDFLOW_API_KEY``,
+    which the server reads like ``serve.api_key``: a key is never parsed as a Hydra
+    override (no quoting, no interpolation of its characters)."""
+    out, rest = [], iter(args)
+    for arg in rest:
+        if arg == "--api-key" or arg.startswith("--api-key="):
+            key = arg.partition("=")[2] if "=" in arg else next(rest, "")
+            if not key:
+                raise ValueError("--api-key needs a key: --api-key KEY (or set $PDFLOW_API_KEY)")
+            os.environ["PDFLOW_API_KEY"] = key
+        else:
+            out.append(arg)
+    return out
+
+
 def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
     """A command whose ``module.main()`` is a Hydra app over the overrides in sys.argv."""
 
@@ -218,6 +234,11 @@ def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
         if "-h" in args or "--help" in args:
             print(importlib.import_module(module).__doc__)
             return EXIT_OK
+        try:
+            args = take_api_key(args)
+        except ValueError as err:
+            print(f"pdflow {name}: {err}", file=sys.stderr)
+            return EXIT_CONFIG
         try:
             return run_hydra_app(importlib.import_module(module).main, name, args)
         except GraphRefused as refused:

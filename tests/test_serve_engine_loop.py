@@ -23,7 +23,7 @@ class ScriptedBackend:
     running request; ``fail_after`` steps, ``step`` raises (a dead engine)."""
 
     max_model_len, vocab_size, tokenizer = 64, 100, None
-    num_kv_blocks = 8
+    num_kv_blocks, block_size = 8, 16
 
     def __init__(self, *, fail_after: int | None = None, draft: bool = False, step_s: float = 0.0):
         self.step_s = step_s

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of one instance (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with
-``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus),
+``GET /openapi.json`` (the request schemas, for clients and fuzzers).
 With an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``.
 """
 
@@ -16,27 +17,33 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.admission import AdmissionPolicy
 from pdflow.serve.backend import ServingBackend
 from pdflow.serve.chat import chat_prompt_ids
 from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.errors import APIError, error_body, from_validation
 from pdflow.serve.generation import Generation, Job
+from pdflow.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdflow.serve.metrics import ServeMetrics
+from pdflow.serve.openapi import install_openapi
 from pdflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class EngineHost:
     """A backend, the loop that steps it, and its metrics: what the API serves."""
 
-    def __init__(self, backend: ServingBackend):
+    def __init__(self, backend: ServingBackend, *, admission: AdmissionPolicy | None = None):
         self.backend = backend
         self.metrics = ServeMetrics(backend, num_active=lambda: self.loop.num_active)
-        self.loop = EngineLoop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish)
+        self.loop = EngineLoop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
+                               admission=admission)
 
     def start(self) -> EngineHost:
         self.loop.start()
@@ -73,6 +80,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         return JSONResponse(error_body(400, str(exc.errors()[0].get("msg"))), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):  # left while sending its body
+        return Response(status_code=499)
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         code = "not_found" if exc.status_code == 404 else None
@@ -80,15 +91,20 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
                                        code=code), status_code=exc.status_code)
 
 
-def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
+               request_timeout_s: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """``request_timeout_s``: a generation still running after it is aborted (503)."""
     backend, metrics = host.backend, host.metrics
     app = FastAPI(title="pdflow", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     guard = [Depends(bearer_guard(api_key))]
+    install_openapi(app, guard, GENERATION_BODIES)
     created = int(time.time())
 
     def count_refusal(request: Request, exc: APIError) -> None:
         if request.url.path in GENERATION_PATHS:
-            metrics.count("rejected" if exc.status < 500 else "error")
+            refused = exc.status < 500 or exc.retry_after_s is not None  # overloaded: not a fault
+            metrics.count("rejected" if refused else "error")
 
     install_error_handlers(app, count_refusal)
 
@@ -123,7 +139,7 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None)
         ids = _prompt_ids(backend, req.prompt)
         job = _job(backend, req, ids, chat=False, model_name=model_name,
                    default_max=COMPLETION_DEFAULT_MAX_TOKENS)
-        return await Generation(host.loop, metrics, job, request).respond()
+        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
 
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat_completions(request: Request):
@@ -131,7 +147,7 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None)
         _check_model(req.model, model_name)
         ids = chat_prompt_ids(backend.tokenizer, [(m.role, m.content) for m in req.messages])
         job = _job(backend, req, ids, chat=True, model_name=model_name, default_max=None)
-        return await Generation(host.loop, metrics, job, request).respond()
+        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
 
     return app
 

@@ -45,6 +45,10 @@ class ServingBackend(Protocol):
     @property
     def num_free_kv_blocks(self) -> int: ...
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (admission reserves whole blocks)."""
+
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         """Queue one request; returns its id. Raises ValueError for a prompt it refuses."""
 
@@ -66,17 +70,19 @@ class LLMBackend:
     join it (``run`` re-checks for unfinished work each step), and a fresh generator
     starts once it has drained."""
 
-    def __init__(self, llm, *, max_model_len: int, vocab_size: int):
+    def __init__(self, llm, *, max_model_len: int, vocab_size: int, block_size: int):
         self.llm = llm
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._block_size = block_size
         self._outputs: Iterator[TokenOutput] | None = None
 
     @classmethod
     def from_llm(cls, llm) -> LLMBackend:
         """The limits the engine actually enforces (its pool may cap the model's length)."""
         engine = llm.engine
-        return cls(llm, max_model_len=engine.max_model_len, vocab_size=engine.config.vocab_size)
+        return cls(llm, max_model_len=engine.max_model_len, vocab_size=engine.config.vocab_size,
+                   block_size=engine.parallel.block_size)
 
     @property
     def max_model_len(self) -> int:
@@ -85,6 +91,10 @@ class LLMBackend:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
 
     @property
     def tokenizer(self):

@@ -289,6 +289,10 @@ class Deployment:
         return self._front.num_kv_blocks
 
     @property
+    def block_size(self) -> int:
+        return self._front.parallel.block_size
+
+    @property
     def num_free_kv_blocks(self) -> int:
         return self._front.num_free_kv_blocks
 

@@ -3,6 +3,8 @@
 Engines are not thread-safe and a step blocks for the length of a forward pass, so the
 asyncio server never calls the backend itself: it posts ``Submit``/``Abort`` commands and
 receives ``StreamEvent``s on a per-request asyncio queue (``call_soon_threadsafe``).
+Requests reach the backend through ``Admission`` (a bounded waiting room sized by the KV
+pool), so an overloaded server refuses with 503 + Retry-After instead of queueing forever.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.admission import Admission, AdmissionPolicy
 from pdflow.serve.backend import DraftStats, ServingBackend
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,8 @@ IDLE_WAIT_S = 0.05
 @dataclass(kw_only=True, slots=True)
 class StreamEvent:
     """Tokens for one request since the previous event, or its end (``finish_reason``),
-    or a failure (``error``; ``error_status`` 400 for a refused prompt, 500 otherwise)."""
+    or a failure (``error``; ``error_status`` 400 for a refused prompt, 503 for an
+    overloaded server (with ``retry_after_s``), 500 otherwise)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -35,6 +39,7 @@ class StreamEvent:
     draft: DraftStats | None = None
     error: str | None = None
     error_status: int = 500
+    retry_after_s: int | None = None
 
     @property
     def done(self) -> bool:
@@ -58,8 +63,11 @@ class EngineLoop:
     """Steps ``backend`` on a daemon thread until ``stop``. ``on_token(ticket, now)`` and
     ``on_finish(ticket, event)`` let metrics observe latencies where they happen."""
 
-    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None):
+    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None,
+                 admission: AdmissionPolicy | None = None):
         self.backend = backend
+        self.admission = Admission(admission or AdmissionPolicy(), num_blocks=backend.num_kv_blocks,
+                                   block_size=backend.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, Ticket] = {}
         self._stop = threading.Event()
@@ -121,6 +129,7 @@ class EngineLoop:
                 self._drain(block=not self._active)
                 if self._stop.is_set():
                     break
+                self._admit_waiting()
                 if self._active:
                     self._deliver(self.backend.step())
         except Exception as exc:  # a dead engine must fail its requests, not hang them
@@ -129,7 +138,7 @@ class EngineLoop:
             for ticket in list(self._active.values()):
                 self._finish(ticket, StreamEvent(error=f"engine failed: {self.error}"))
         finally:
-            for ticket in list(self._active.values()):
+            for ticket in [*self._active.values(), *self.admission.drain()]:
                 self._finish(ticket, StreamEvent(error="server is shutting down", error_status=503))
             self._fail_inbox()
 
@@ -141,22 +150,45 @@ class EngineLoop:
         while command is not None:
             kind, ticket = command
             if kind == "submit":
-                self._admit(ticket)
+                self._offer(ticket)
             elif ticket.request_id in self._active:
                 self.backend.abort(ticket.request_id)
                 self._finish(ticket, StreamEvent(finish_reason="abort"))
+            elif self.admission.withdraw(ticket):
+                self._on_finish(ticket, StreamEvent(finish_reason="abort"))
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _offer(self, ticket: Ticket) -> None:
+        if ticket.cancelled:
+            self._on_finish(ticket, StreamEvent(finish_reason="abort"))
+        elif not self.admission.offer(ticket, len(ticket.prompt_token_ids)):
+            self._refuse(ticket, f"the server is at capacity ({self.admission.num_waiting} requests waiting "
+                                 "for KV blocks); retry later")
+
+    def _admit_waiting(self) -> None:
+        for ticket in self.admission.expired():
+            self._refuse(ticket, f"no KV blocks came free within {self.admission.policy.queue_timeout_s:g} s; "
+                                 "retry later")
+        for ticket in self.admission.ready():
+            self._admit(ticket)
+
+    def _refuse(self, ticket: Ticket, why: str) -> None:
+        event = StreamEvent(error=why, error_status=503, retry_after_s=self.admission.policy.retry_after_s)
+        self._on_finish(ticket, event)
+        ticket.deliver(event)
+
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
+            self.admission.release(ticket)
             self._on_finish(ticket, StreamEvent(finish_reason="abort"))
             return
         try:
             ticket.request_id = self.backend.add(ticket.prompt_token_ids, ticket.sampling)
         except ValueError as exc:
+            self.admission.release(ticket)
             event = StreamEvent(error=str(exc), error_status=400)
             self._on_finish(ticket, event)
             ticket.deliver(event)
@@ -184,6 +216,7 @@ class EngineLoop:
 
     def _finish(self, ticket: Ticket, event: StreamEvent) -> None:
         self._active.pop(ticket.request_id, None)
+        self.admission.release(ticket)
         self._on_finish(ticket, event)
         ticket.deliver(event)
 

@@ -10,19 +10,23 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-         500: "internal_error", 502: "bad_gateway", 503: "service_unavailable"}
+         413: "invalid_request_error", 500: "internal_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        # Sent as ``Retry-After``: when a refused (overloaded) request is worth trying again.
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:

@@ -3,6 +3,8 @@ body or as server-sent events (``data: {chunk}`` lines, ending ``data: [DONE]``)
 
 The first event is awaited before any header goes out, so a prompt the engine refuses is
 still a proper 4xx. A client that disconnects aborts its request and frees its blocks.
+A request still unanswered after ``timeout_s`` is aborted too and answered 503: its client
+learns in bounded time, whatever happened below (a stuck transfer, a slow engine).
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ class _Progress:
 
 
 class Generation:
-    def __init__(self, loop: EngineLoop, metrics: ServeMetrics, job: Job, request: Request):
+    def __init__(self, loop: EngineLoop, metrics: ServeMetrics, job: Job, request: Request, *,
+                 timeout_s: float | None = None):
         self.loop, self.metrics, self.job, self.request = loop, metrics, job, request
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.progress = _Progress()
@@ -100,7 +105,16 @@ class Generation:
         self.events.put_nowait(_DISCONNECTED)
 
     async def _next(self) -> StreamEvent:
-        return self._accept(await self.events.get())
+        if self.deadline is None:
+            return self._accept(await self.events.get())
+        try:
+            event = await asyncio.wait_for(self.events.get(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self.loop.abort(self.ticket)
+            self.progress.finish_reason = "error"
+            raise APIError(503, f"the request did not finish within {self.timeout_s:g} s and was aborted",
+                           code="request_timeout") from None
+        return self._accept(event)
 
     def _accept(self, event: StreamEvent) -> StreamEvent:
         """Fold an event into the answer; an error event becomes this request's APIError."""
@@ -108,9 +122,11 @@ class Generation:
             self._abort()
             raise ClientGone()
         if event.error is not None:
-            raise APIError(event.error_status, event.error,
-                           code="engine_error" if event.error_status >= 500 else "invalid_value",
-                           param="prompt" if event.error_status == 400 else None)
+            code = ("server_overloaded" if event.retry_after_s is not None
+                    else "engine_error" if event.error_status >= 500 else "invalid_value")
+            raise APIError(event.error_status, event.error, code=code,
+                           param="prompt" if event.error_status == 400 else None,
+                           retry_after_s=event.retry_after_s)
         self.progress.add(event)
         if event.finish_reason is not None:
             self._count(event.finish_reason)

@@ -44,7 +44,7 @@ def _backend(spec: RunSpec):
 
     deployment = Deployment(spec)
     return LLMBackend(deployment, max_model_len=deployment.max_model_len,
-                      vocab_size=deployment.vocab_size)
+                      vocab_size=deployment.vocab_size, block_size=deployment.block_size)
 
 
 @contextlib.contextmanager
@@ -67,19 +67,24 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
 
             check_instances(list(spec.serve.prefill), list(spec.serve.decode), api_key=key,
                             timeout=spec.serve.ready_timeout_s)
-            app = create_router(list(spec.serve.decode), api_key=key, prefill=list(spec.serve.prefill))
+            app = create_router(list(spec.serve.decode), api_key=key, prefill=list(spec.serve.prefill),
+                                max_body_bytes=spec.serve.max_body_bytes)
         elif spec.serve.backends:
             from pdflow.serve.router import create_router
 
-            app = create_router(list(spec.serve.backends), api_key=key)
+            app = create_router(list(spec.serve.backends), api_key=key, max_body_bytes=spec.serve.max_body_bytes)
         else:
+            from pdflow.serve.admission import AdmissionPolicy
             from pdflow.serve.api import EngineHost, create_app
 
             backend = _backend(spec)
             stack.callback(backend.shutdown)
-            host = EngineHost(backend).start()
+            admission = AdmissionPolicy(max_queued=spec.serve.max_queued_requests,
+                                        queue_timeout_s=spec.serve.queue_timeout_s)
+            host = EngineHost(backend, admission=admission).start()
             stack.callback(host.stop)
-            app = create_app(host, model_name=name, api_key=key)
+            app = create_app(host, model_name=name, api_key=key, request_timeout_s=spec.serve.request_timeout_s,
+                             max_body_bytes=spec.serve.max_body_bytes)
         server = stack.enter_context(ServerThread(app, host=spec.serve.host, port=port))
         wait_healthy(server.url, timeout=spec.serve.ready_timeout_s)
         backends = spec.serve.decode if role == "router" else spec.serve.backends

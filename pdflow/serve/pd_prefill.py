@@ -86,6 +86,10 @@ class PrefillBackend:
         return self.engine.num_kv_blocks
 
     @property
+    def block_size(self) -> int:
+        return self.engine.parallel.block_size
+
+    @property
     def num_free_kv_blocks(self) -> int:
         return self.engine.num_free_kv_blocks
 

@@ -10,9 +10,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOPS = 4
+
+
+def _documented(schema: dict) -> WithJsonSchema:
+    """The OpenAPI schema of a field its validator narrows: what is accepted, so clients
+    (and schemathesis) see the real contract instead of ``any``."""
+    return WithJsonSchema(schema)
+
+
+_NULL = {"type": "null"}
+_STOP = _documented({"anyOf": [{"type": "string", "minLength": 1},
+                               {"type": "array", "items": {"type": "string", "minLength": 1},
+                                "maxItems": MAX_STOPS}, _NULL]})
+_ONE = _documented({"anyOf": [{"const": 1}, _NULL]})
+_ZERO = _documented({"anyOf": [{"const": 0}, _NULL]})
+_NONE_OR_EMPTY = _documented({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]})
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT = _documented({"anyOf": [{"type": "string"}, _TOKEN_IDS]})
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT = _documented({"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]})
 
 
 class _Strict(BaseModel):
@@ -50,14 +78,14 @@ class SamplingFields(_Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    n: int | None = None
+    n: Annotated[int | None, _ONE] = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: Any = None
+    stop: Annotated[Any, _STOP] = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float | None, _ZERO] = None
+    frequency_penalty: Annotated[float | None, _ZERO] = None
+    logit_bias: Annotated[dict[str, float] | None, _NONE_OR_EMPTY] = None
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -91,11 +119,11 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Annotated[Any, _PROMPT]
+    echo: Annotated[bool | None, _documented({"anyOf": [{"const": False}, _NULL]})] = False
+    logprobs: Annotated[int | None, _ZERO] = None
+    best_of: Annotated[int | None, _ONE] = None
+    suffix: Annotated[str | None, _documented(_NULL)] = None
 
     @field_validator("prompt")
     @classmethod
@@ -135,7 +163,7 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     # A string, or text parts ({"type": "text", "text": ...}), joined into one string.
-    content: Any
+    content: Annotated[Any, _CONTENT]
     name: str | None = None
 
     @field_validator("content")
@@ -154,11 +182,13 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
+    logprobs: Annotated[bool | None, _documented({"anyOf": [{"const": False}, _NULL]})] = None
+    top_logprobs: Annotated[int | None, _ZERO] = None
+    response_format: Annotated[dict | None, _documented({"anyOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"const": "text"}}}, _NULL]})] = None
+    tools: Annotated[list | None, _documented({"anyOf": [{"type": "array", "maxItems": 0}, _NULL]})] = None
+    tool_choice: Annotated[Any, _documented({"anyOf": [{"const": "none"}, _NULL]})] = None
 
     @field_validator("logprobs")
     @classmethod

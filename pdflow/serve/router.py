@@ -6,8 +6,9 @@ decode instances and each generation request is paired: it goes to the next deco
 instance with the next prefill instance named in its ``x-pdflow-prefill`` header, and the
 decode instance has that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passes through;
 a backend that cannot be reached is skipped for the next one, and when none answers the
-client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502. Every
-error has the OpenAI shape.
+client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502, except a
+backend's own 503 (overloaded: it says when to retry), which passes through with its
+``Retry-After``. Every error has the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from pdflow.serve.api import bearer_guard, install_error_handlers
+from pdflow.serve.api import GENERATION_BODIES, bearer_guard, install_error_handlers
 from pdflow.serve.errors import APIError, error_body
+from pdflow.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from pdflow.serve.openapi import install_openapi
 from pdflow.serve.pd_wire import PREFILL_HEADER
 
 FORWARDED_HEADERS = ("content-type", "accept")
@@ -59,7 +62,8 @@ class RouterMetrics:
 
 def create_router(backends: list[str], *, api_key: str | None = None,
                   backend_api_key: str | None = None, timeout_s: float = 600.0,
-                  prefill: list[str] | None = None) -> FastAPI:
+                  prefill: list[str] | None = None,
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """``backend_api_key`` (default: ``api_key``) is sent to the backends."""
     picker = RoundRobin(backends)
     producers = RoundRobin(prefill) if prefill else None
@@ -73,8 +77,10 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         await client.aclose()
 
     app = FastAPI(title="pdflow router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     guard = [Depends(bearer_guard(api_key))]
     install_error_handlers(app)
+    install_openapi(app, guard, GENERATION_BODIES)
 
     def headers_for(request: Request) -> dict:
         out = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
@@ -105,6 +111,12 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         raise APIError(503, f"no backend could be reached: {', '.join(unreachable)}", code="no_backend")
 
     async def relay(backend: str, answer: httpx.Response) -> Response:
+        if answer.status_code == 503 and "retry-after" in answer.headers:
+            content = await answer.aread()
+            await answer.aclose()
+            metrics.count(backend, "overloaded")
+            return Response(content, status_code=503, media_type=answer.headers.get("content-type"),
+                            headers={"Retry-After": answer.headers["retry-after"]})
         if answer.status_code >= 500:
             text = (await answer.aread()).decode(errors="replace")[:500]
             await answer.aclose()

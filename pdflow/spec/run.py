@@ -93,6 +93,14 @@ class ServeSpec:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     ready_timeout_s: float = 300.0
+    # Larger request bodies are refused with 413 (instance and router).
+    max_body_bytes: int = 8 << 20
+    # A generation still unanswered after this long is aborted (503); None: no limit.
+    request_timeout_s: float | None = None
+    # Requests waiting for KV blocks, at most; more are refused at once (503, Retry-After).
+    max_queued_requests: int = 256
+    # A request that waited this long for KV blocks is refused (503, Retry-After).
+    queue_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -113,6 +121,10 @@ class ServeSpec:
                              "(set serve.role=router)")
         if self.ready_timeout_s <= 0:
             raise ValueError("serve.ready_timeout_s must be positive")
+        if self.max_body_bytes < 1 or self.max_queued_requests < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("serve needs max_body_bytes >= 1, max_queued_requests >= 0, queue_timeout_s > 0")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("serve.request_timeout_s must be positive (or null: no limit)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -132,6 +132,10 @@ class KVExporter:
         key = (want.instance, want.consumer_rank)
         if key not in self._peers:
             return f"consumer rank {want.consumer_rank} of {want.instance} has not paired with producer rank {self.rank}"
+        peer = self._peers[key]
+        if want.pairing != peer.pairing or want.reply_to != peer.reply_to:
+            return (f"the request does not come from the paired consumer rank {want.consumer_rank} of "
+                    f"{want.instance} (wrong pairing nonce or reply address)")
         cut = self.cuts.get(want.consumer_rank)
         if cut is None:
             return f"producer rank {self.rank} owes consumer rank {want.consumer_rank} nothing"

@@ -77,13 +77,15 @@ class KVImporter:
             self.receive = StagingBuffer(transport, self.spec.staging_mib << 20, device)
         self._pending: dict[str, _Pending] = {}
         self._draining: dict[str, _Pending] = {}  # ended, but producers may still write
+        self.pairing = secrets.randbits(63)  # producers serve only wants that carry it
         self.stale = 0  # dones ignored: unknown request, old nonce, or not owed
 
     def hello(self) -> Hello:
         """What producers need to pair with this rank; send it to each of ``self.cuts``."""
         return Hello(instance=self.instance, rank=self.rank, session_id=self.transport.session_id,
                      reply_to=self.reply_to, units=list(self.units), regions=dict(self.regions),
-                     probe=self.probe.area, receive=self.receive.area if self.receive else None)
+                     probe=self.probe.area, receive=self.receive.area if self.receive else None,
+                     pairing=self.pairing)
 
     def expect(self, request_id: str, block_ids: Sequence[int]) -> dict[int, KVWanted]:
         """Register a request whose KV goes into ``block_ids``; returns the ``KVWanted``
@@ -109,7 +111,7 @@ class KVImporter:
                     addr = self.receive.base + offset
             wanted[producer] = KVWanted(request_id=request_id, instance=self.instance, consumer_rank=self.rank,
                                         reply_to=self.reply_to, block_ids=list(blocks), nonce=pending.nonce, deadline=wall_deadline,
-                                        recv_addr=addr, recv_bytes=nbytes)
+                                        recv_addr=addr, recv_bytes=nbytes, pairing=self.pairing)
         self._pending[request_id] = pending
         return wanted
 

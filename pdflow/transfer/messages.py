@@ -6,6 +6,12 @@ units live and what they are); the producer checks it against its own plan and a
 consumer sends ``KVWanted`` (its block ids, a nonce, where packed bytes go) to every
 producer rank that owes it data; each answers ``KVDone`` once its writes finished or
 failed. Decoding is strict: a frame that is not exactly one of these is rejected.
+
+A ``Hello`` carries a random ``pairing`` nonce that every later ``KVWanted`` of that
+consumer rank repeats: a producer writes only for wants carrying the nonce of the peer
+they name, so a message from anyone who did not pair (a stray process, a stale peer) moves
+no byte. It guards against mistakes and strangers on the host, not against someone who can
+read the loopback traffic (the channel is not encrypted).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Hello(msgspec.Struct, kw_only=True, frozen=True, tag="hello"):
     regions: dict[str, UnitRegion]  # by unit name
     probe: Area  # scratch bytes a producer writes at pairing, to open the engine's session
     receive: Area | None = None  # where packed bytes land; None: direct writes only
+    pairing: NonNegative = 0  # repeated in every KVWanted of this rank
 
 
 class Paired(msgspec.Struct, kw_only=True, frozen=True, tag="paired"):
@@ -61,6 +68,7 @@ class KVWanted(msgspec.Struct, kw_only=True, frozen=True, tag="wanted"):
     deadline: float  # wall clock (time.time()); no write starts after it
     recv_addr: NonNegative = 0  # packed: where this producer rank's bytes go; 0: direct
     recv_bytes: NonNegative = 0
+    pairing: NonNegative = 0  # the consumer rank's Hello.pairing
 
 
 class KVDone(msgspec.Struct, kw_only=True, frozen=True, tag="done"):

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Load through the router: ``--requests`` tiny completions (``--max-tokens`` each, EOS
+ignored) at ``--concurrency`` clients, against a P/D deployment (the spec's, by default
+the CPU default: tiny model, PP4 prefill -> TP4 decode) behind its API behind a router.
+Checks what must hold under load (every request completed, no KV block leaked on either
+instance, the Prometheus counters equal the client's count) and prints throughput and
+TTFT percentiles, with the offline ``Deployment.generate`` of the same prompts as the
+baseline (served / offline throughput).
+
+    python scripts/bench_load.py                                   # 1000 at 64, the default spec
+    python scripts/bench_load.py --requests 200 prefill=tp1 decode=tp1 drafter=none
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdflow.bench.workloads.base import RequestResult, WorkRequest
+from pdflow.bench.workloads.client import Target, drive
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadReport:
+    sent: int
+    completed: int
+    errors: list[str]
+    wall_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    completion_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.completed / self.wall_s
+
+    def line(self) -> str:
+        return (f"{self.completed}/{self.sent} completed in {self.wall_s:.1f} s: {self.requests_per_s:.1f} req/s, "
+                f"{self.completion_tokens / self.wall_s:.1f} tok/s, TTFT p50 {self.ttft_p50_s * 1e3:.0f} ms, "
+                f"p99 {self.ttft_p99_s * 1e3:.0f} ms")
+
+
+def tiny_prompts(n: int, *, vocab: int, length: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def run_load(url: str, model: str, prompts: list[list[int]], *, max_tokens: int, concurrency: int,
+             timeout_s: float = 600.0) -> LoadReport:
+    reqs = [WorkRequest(prompt=p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    results, wall = asyncio.run(drive(Target(url=url, model=model), reqs, concurrency=concurrency,
+                                      timeout_s=timeout_s, progress=False))
+    done: list[RequestResult] = [r for r in results if r.ok and r.completion_tokens == max_tokens]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    return LoadReport(sent=len(reqs), completed=len(done), errors=[r.error for r in results if not r.ok][:5],
+                      wall_s=wall, ttft_p50_s=percentile(ttfts, 0.5), ttft_p99_s=percentile(ttfts, 0.99),
+                      completion_tokens=sum(r.completion_tokens for r in done))
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Prometheus samples by (name, sorted labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample(metrics: dict, name: str, **labels) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run spec (default: the CPU default)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from pdflow import Deployment, SamplingParams, compose
+    from pdflow.serve.api import EngineHost, create_app
+    from pdflow.serve.backend import LLMBackend
+    from pdflow.serve.router import create_router
+    from pdflow.serve.server import ServerThread
+
+    deployment = Deployment(compose(args.overrides))
+    try:
+        prompts = tiny_prompts(args.requests, vocab=deployment.vocab_size)
+        sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        deployment.generate(prompts, sampling)
+        offline_s = time.perf_counter() - start
+        backend = LLMBackend(deployment, max_model_len=deployment.max_model_len,
+                             vocab_size=deployment.vocab_size, block_size=deployment.block_size)
+        host = EngineHost(backend).start()
+        try:
+            with ServerThread(create_app(host, model_name="load")) as instance, \
+                    ServerThread(create_router([instance.url])) as router:
+                before = scrape(instance.url)
+                report = run_load(router.url, "load", prompts, max_tokens=args.max_tokens,
+                                  concurrency=args.concurrency)
+                after = scrape(instance.url)
+                routed = scrape(router.url)
+        finally:
+            host.stop()
+        counted = sample(after, "pdflow_requests_total", outcome="length") - sample(
+            before, "pdflow_requests_total", outcome="length")
+        free = deployment.free_kv_blocks()
+        total = {role: e.num_kv_blocks for role, e in (("prefill", deployment.producer),
+                                                       ("decode", deployment.consumer)) if e is not None}
+    finally:
+        deployment.shutdown()
+    print(f"served : {report.line()}")
+    print(f"offline: {args.requests} requests in {offline_s:.1f} s: {args.requests / offline_s:.1f} req/s")
+    print(f"served / offline throughput: {report.requests_per_s / (args.requests / offline_s):.2f}")
+    print(f"instance counted {counted:.0f} finished, router {sample(routed, 'pdflow_router_requests_total', backend=instance.url, outcome='ok'):.0f} ok; "
+          f"free blocks {free} of {total}")
+    ok = report.completed == report.sent == counted and free == total
+    print("all completed, counters agree, no leak" if ok else f"FAILED: errors {report.errors}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

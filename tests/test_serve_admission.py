@@ -1,0 +1,40 @@
+"""The admission room's rules on their own (no engine): reservations never exceed the
+pool, arrivals are served in order, the room is bounded by length and by time."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.serve.admission import Admission, AdmissionPolicy
+
+
+def test_reservations_fit_the_pool_in_arrival_order_and_come_back():
+    room = Admission(AdmissionPolicy(max_queued=8), num_blocks=6, block_size=16)
+    a, b, c, d = "a", "b", "c", "d"
+    assert room.need(15) == 1 and room.need(16) == 2 and room.need(10_000) == 6
+    for item, n in ((a, 40), (b, 40), (c, 5), (d, 5)):  # 3, 3, 1, 1 blocks
+        assert room.offer(item, n, now=0.0)
+    assert room.ready() == [a, b] and room.reserved == 6
+    assert room.ready() == []  # c would fit after a release, not before: no overtaking
+    room.release(a)
+    assert room.ready() == [c, d] and room.reserved == 5
+    for item in (b, c, d):
+        room.release(item)
+    assert room.reserved == 0
+
+
+def test_the_room_is_bounded_by_length_and_by_time():
+    room = Admission(AdmissionPolicy(max_queued=2, queue_timeout_s=1.0), num_blocks=2, block_size=16)
+    assert room.offer("running", 20, now=0.0) and room.ready() == ["running"]
+    assert room.offer("w1", 20, now=0.0) and room.offer("w2", 20, now=0.5)
+    assert not room.offer("w3", 1, now=0.6)  # full: refused at once, however small
+    assert room.expired(now=0.9) == []
+    assert room.expired(now=1.0) == ["w1"] and room.num_waiting == 1
+    assert room.withdraw("w2") and not room.withdraw("w2") and room.num_waiting == 0
+    room.release("running")
+    assert room.reserved == 0 and room.drain() == []
+
+
+def test_a_policy_that_makes_no_sense_is_refused():
+    with pytest.raises(ValueError, match="queue_timeout_s"):
+        AdmissionPolicy(queue_timeout_s=0)
