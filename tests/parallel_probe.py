@@ -48,3 +48,8 @@ def raising_rank(ctx: RankContext, channel: Channel) -> None:
     if ctx.rank == 1:
         raise ValueError("weights for layer 3 are missing")
     allreduce_rank(ctx, channel)
+
+
+def report_birth_rank(ctx: RankContext, channel: Channel) -> None:
+    """Fail on purpose, naming what the rank was born with: the launcher's error carries it."""
+    raise RuntimeError(f"probe={os.environ.get('PDFLOW_PROBE')} cwd={os.getcwd()} parent={os.getppid()}")

@@ -72,7 +72,7 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
     from pdflow.worker.stage_runner import StageRunner
 
     taps = [1, 3, 5, 7]  # one per stage of PP4 over 8 layers
-    spec = compose_spec([*BASE[1:], "drafter=dspark", f"drafter.taps=[{','.join(map(str, taps))}]",
+    spec = compose_spec([*BASE[1:], "drafter=dspark", "drafter.path=random", f"drafter.taps=[{','.join(map(str, taps))}]",
                          "decode.tp=1", "decode.pp=4"])
     graph = build_graph(spec).raise_if_refused()
     assert [s.taps_captured for s in graph.consumer.stages] == [(1,), (3,), (5,), (7,)]
@@ -92,7 +92,7 @@ def test_taps_relayed_to_the_last_stage_equal_single_process_hidden_states():
         return StepInput(step=n, seq_ids=[c[0] for c in chunks], token_ids=ids, positions=pos,
                          slot_mapping=slots, cu_seqlens_q=cu, context_lens=ctx, block_tables=tables,
                          sample_rows=[cu[-1] - 1], sample_seq_ids=[chunks[-1][0]],
-                         sampling=[SamplingSpec()], capture_taps=True)
+                         sampling=[SamplingSpec()], capture_taps=True, context_adopt=[-1] * len(chunks))
 
     steps = [step(0, [("a", a[:20], 0, [0, 1]), ("b", b, 0, [2, 3])]), step(1, [("a", a[20:], 20, [0, 1])])]
 

@@ -2,9 +2,10 @@
 
 ``Launcher`` is the interface (so the same spec can be placed by torchrun-style static
 rendezvous, Ray placement groups or SLURM); ``LocalLauncher`` starts one process per
-rank on this host, each its own interpreter (``python -m pdflow.parallel.rank_entry``,
-as torchrun does) running a target named ``"module:function"``, so nothing depends on
-re-importing the user's main module. A rank that dies, errors or stops answering fails
+rank on this host running a target named ``"module:function"``, so nothing depends on
+re-importing the user's main module: a CPU rank is forked from a warm zygote (a fresh
+``python -m pdflow.parallel.zygote`` that imported torch once, see ``zygote.py``), a GPU
+rank is its own interpreter (``python -m pdflow.parallel.rank_entry``, as torchrun does). A rank that dies, errors or stops answering fails
 the whole instance with ``RankFailed`` naming it, and every other rank is torn down:
 never a hang, never an orphan.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from pdflow.graph import parallel_of
+from pdflow.parallel import zygote
 from pdflow.parallel.messages import Message, RankError, RankReady, Shutdown, decode, encode
 from pdflow.spec import RunSpec
 
@@ -135,6 +137,8 @@ class LocalLauncher(Launcher):
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._exit_fds: list[int] = []  # pidfds: readable once their rank has exited
+        # A GPU rank starts from a fresh interpreter: nothing may touch CUDA before its fork.
+        self.use_zygote = par.device == "cpu" and zygote.usable()
 
     @property
     def pids(self) -> list[int]:
@@ -144,12 +148,7 @@ class LocalLauncher(Launcher):
         """One rank process, holding its end of a socket pair (no port, no key to guess)."""
         ours, theirs = socket.socketpair()
         with theirs:
-            fd = theirs.fileno()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pdflow.parallel.rank_entry", "--fd", str(fd),
-                 "--parent", str(os.getpid()), "--label", self.labels[rank]],
-                pass_fds=(fd,), stdin=subprocess.DEVNULL,
-            )
+            proc = self._start_process(rank, theirs.fileno())
         self._procs.append(proc)
         self._conns.append(Connection(ours.detach()))
         if hasattr(os, "pidfd_open"):
@@ -164,6 +163,23 @@ class LocalLauncher(Launcher):
             self._conns[rank].send(start)
         except OSError as err:
             self._fail(rank, f"exited before it started ({err})")
+
+    def _start_process(self, rank: int, fd: int):
+        """Fork it from the warm zygote (CPU instances, Linux), else a fresh interpreter."""
+        if self.use_zygote:
+            try:
+                return zygote.fork_rank(zygote.ForkRank(
+                    label=self.labels[rank], target_module=self.target.partition(":")[0],
+                    environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path)), fd)
+            except (OSError, ConnectionError, RuntimeError) as err:
+                print(f"pdflow: starting ranks as fresh interpreters (the rank zygote failed: {err})",
+                      file=sys.stderr)
+                self.use_zygote = False
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdflow.parallel.rank_entry", "--fd", str(fd),
+             "--parent", str(os.getpid()), "--label", self.labels[rank]],
+            pass_fds=(fd,), stdin=subprocess.DEVNULL,
+        )
 
     def start(self) -> list[RankReady]:
         try:

@@ -36,14 +36,14 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pdflow-rank", description=__doc__)
-    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the owner")
-    parser.add_argument("--parent", type=int, required=True, help="the owner's pid")
-    parser.add_argument("--label", required=True, help="the rank's name, for ps and errors")
-    args = parser.parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
-    conn = Connection(args.fd)
+def run(*, fd: int, parent: int, label: str) -> None:
+    """The rank's life: read its start over socket ``fd``, run the target, report a failure.
+
+    Both entries end here: this module's ``main`` (a fresh interpreter) and a fork of the
+    rank zygote (``pdflow.parallel.zygote``)."""
+    del label  # in argv for ps; errors name the rank by its context
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    conn = Connection(fd)
     start: RankStart = conn.recv()
     # The owner's import path, so a target importable there is importable here.
     sys.path.extend(p for p in start.sys_path if p not in sys.path)
@@ -55,6 +55,15 @@ def main(argv: list[str] | None = None) -> None:
             channel.send(RankError(rank=start.context.rank, error=traceback.format_exc()))
         finally:
             os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdflow-rank", description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the owner")
+    parser.add_argument("--parent", type=int, required=True, help="the owner's pid")
+    parser.add_argument("--label", required=True, help="the rank's name, for ps and errors")
+    args = parser.parse_args(argv)
+    run(fd=args.fd, parent=args.parent, label=args.label)
 
 
 if __name__ == "__main__":
