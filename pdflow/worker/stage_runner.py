@@ -16,6 +16,9 @@ from pdflow.model.decoder import CausalLM
 from pdflow.parallel.messages import StepInput, StepOutput
 from pdflow.worker.sampler import Sampler, make_generator
 
+# Steps whose every sequence brings at most this many new tokens run as decode rows.
+ROWS_AS_DECODE = 16
+
 
 class StageRunner:
     def __init__(self, model: CausalLM, device: torch.device, capture_layers: tuple[int, ...] = ()):
@@ -31,16 +34,42 @@ class StageRunner:
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        meta = AttentionMetadata(
-            decode_only=step.cu_seqlens_q[-1] == len(step.seq_ids),
-            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
-            cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
-            context_lens=self._tensor(step.context_lens, torch.int32),
-            block_tables=self._tensor(step.block_tables, torch.int32),
-            max_seqlen_q=max((b - a for a, b in itertools.pairwise(step.cu_seqlens_q)), default=0),
-        )
+        q_lens = [b - a for a, b in itertools.pairwise(step.cu_seqlens_q)]
+        longest = max(q_lens, default=0)
+        if 1 < longest <= ROWS_AS_DECODE:
+            meta = self._rows_as_decode(step, q_lens)
+        else:
+            meta = AttentionMetadata(
+                decode_only=longest == 1,
+                slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+                cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
+                context_lens=self._tensor(step.context_lens, torch.int32),
+                block_tables=self._tensor(step.block_tables, torch.int32),
+                max_seqlen_q=longest,
+            )
         ids = self._tensor(step.token_ids, torch.int64)
         return ids, self._tensor(step.positions, torch.int64), meta
+
+    def _rows_as_decode(self, step: StepInput, q_lens: list[int]) -> AttentionMetadata:
+        """A step of short queries (a verify of [anchor, k drafts], a tiny chunk) as one
+        decode row per new token: row i of a sequence attends to its own causal prefix of
+        the same blocks (context ``start + i + 1``). Exact causal attention, served by the
+        decode kernel (split over the context; and a captured decode graph when the rows
+        fit one) instead of a prefill tile sized for long chunks."""
+        rows = sum(q_lens)
+        lens, owner = [], []
+        for seq, (n, ctx) in enumerate(zip(q_lens, step.context_lens, strict=True)):
+            lens += range(ctx - n + 1, ctx + 1)
+            owner += [seq] * n
+        tables = self._tensor(step.block_tables, torch.int32)
+        return AttentionMetadata(
+            decode_only=True,
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            cu_seqlens_q=self._tensor(list(range(rows + 1)), torch.int32),
+            context_lens=self._tensor(lens, torch.int32),
+            block_tables=tables.index_select(0, self._tensor(owner, torch.int64)),
+            max_seqlen_q=1,
+        )
 
     def forward(
         self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes, with and without the drafter: mean step wall time,
+host syncs are inside it, over a fixed batch on one instance, then the top host ops of a
+few steps (torch.profiler). For reading, not a benchmark table.
+
+    python scripts/profile_spec_step.py --device cuda --batch 1 --modes none,dspark-eager,dspark
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pdflow import SamplingParams
+from pdflow.bench.tasks import arith_eval_set
+from pdflow.engine.llm import LLM
+from pdflow.spec.load import compose_spec
+
+
+def _llm(args, mode: str) -> LLM:
+    kind = mode.split("-")[0]
+    over = ["mode=monolithic", "prefill=tp1", "decode=tp1", "tracking=off", f"drafter={kind}",
+            f"prefill.device={args.device}", f"decode.device={args.device}",
+            f"decode.max_num_seqs={args.batch}", f"decode.enforce_eager={mode.endswith('-eager')}"]
+    return LLM.from_run_spec(compose_spec(over), role="decode")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--modes", default="none,dspark-eager,dspark")
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    prompts = [it.prompt for it in arith_eval_set(args.batch, k_shot=5, seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    for mode in args.modes.split(","):
+        with _llm(args, mode) as llm:
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+            engine = llm.engine
+            steps0, graphed0 = engine.steps, engine.graph_steps
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            steps = engine.steps - steps0
+            tokens = sum(len(o.token_ids) for o in outs)
+            print(f"## {mode} batch {args.batch}: {steps} steps ({engine.graph_steps - graphed0} graphed), "
+                  f"{1e3 * elapsed / steps:.2f} ms/step, {tokens / elapsed:.0f} tok/s", flush=True)
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if args.device == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as prof:
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            print(prof.key_averages().table(sort_by="self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total", row_limit=args.top), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""A step of short queries (a verify of [anchor, k drafts], a tiny chunk) runs as one
+decode row per new token over its own causal prefix; it must attend exactly as the
+prefill op over the same step does, and an off-by-one prefix is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflow.attention.backends import get_backend
+from pdflow.parallel.messages import SamplingSpec, StepInput
+from pdflow.worker import stage_runner
+from pdflow.worker.stage_runner import StageRunner
+
+BLOCK, PAGES, PAGE, H_Q, H_KV, D = 16, 2, 8, 4, 2, 16
+
+
+def verify_step(q_lens: list[int], starts: list[int]) -> StepInput:
+    ids, pos, slots, cu, ctx, tables = [], [], [], [0], [], []
+    for seq, (n, start) in enumerate(zip(q_lens, starts, strict=True)):
+        table = [seq * 4 + b for b in range(4)]
+        ids += [5] * n
+        pos += list(range(start, start + n))
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+        cu.append(cu[-1] + n)
+        ctx.append(start + n)
+        tables.append(table)
+    return StepInput(step=0, seq_ids=[f"s{i}" for i in range(len(q_lens))], token_ids=ids, positions=pos,
+                     slot_mapping=slots, cu_seqlens_q=cu, context_lens=ctx, block_tables=tables,
+                     sample_rows=[], sample_seq_ids=[], sampling=[SamplingSpec()])
+
+
+@pytest.mark.parametrize("q_lens", [[8], [8, 8, 8], [1, 5, 8, 3]])
+def test_short_query_rows_attend_like_the_prefill_op(q_lens, monkeypatch):
+    gen = torch.Generator().manual_seed(len(q_lens))
+    step = verify_step(q_lens, starts=[37, 3, 50, 20][: len(q_lens)])
+    runner = StageRunner(model=None, device=torch.device("cpu"))
+    _, _, rows = runner.tensors(step)
+    assert rows.decode_only and rows.context_lens.shape[0] == sum(q_lens)
+    monkeypatch.setattr(stage_runner, "ROWS_AS_DECODE", 0)  # the prefill op's metadata
+    _, _, chunk = runner.tensors(step)
+    assert not chunk.decode_only
+
+    shape = (4 * len(q_lens), PAGES, H_KV, PAGE, D)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(sum(q_lens), H_Q, D, generator=gen)
+    backend = get_backend("torch")
+    want = backend.prefill_attention(q, k_cache, v_cache, chunk.cu_seqlens_q, chunk.context_lens,
+                                     chunk.block_tables, 0.25, max_seqlen_q=chunk.max_seqlen_q)
+    got = backend.decode_attention(q, k_cache, v_cache, rows.context_lens, rows.block_tables, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # One more token of context per row (a non-causal verify) is not the same attention.
+    leaky = backend.decode_attention(q, k_cache, v_cache, rows.context_lens + 1, rows.block_tables, 0.25)
+    assert not torch.allclose(leaky, want, atol=1e-3)
