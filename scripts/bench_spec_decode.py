@@ -68,7 +68,9 @@ def speed(args, kind: str, batch: int, prompts: list[str]) -> float:
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
     overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}"]
     with Deployment(compose(overrides)) as d:
-        d.generate(chosen[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm
+        # Warm every path the timed run takes (prefill, prefix-hit tails, verify steps), so
+        # no kernel compiles or graph captures inside the timing.
+        d.generate(chosen, SamplingParams(temperature=0.0, max_tokens=args.k + 2, ignore_eos=True))
         start = time.perf_counter()
         outs = d.generate(chosen, params)
         elapsed = time.perf_counter() - start
