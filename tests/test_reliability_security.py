@@ -75,7 +75,11 @@ def test_api_key_flag_goes_to_the_environment_not_to_hydra(monkeypatch):
     from pdflow.serve.launch import api_key_of
     from pdflow.spec.load import compose_spec
 
-    monkeypatch.delenv("PDFLOW_API_KEY", raising=False)
+    # Set, then delete: monkeypatch then restores the variable's absence after the test
+    # (a bare delenv of an unset variable records nothing, and the key would leak into
+    # every later test of the session).
+    monkeypatch.setenv("PDFLOW_API_KEY", "")
+    monkeypatch.delenv("PDFLOW_API_KEY")
     assert take_api_key(["serve.port=0", "--api-key", "sk-a,b=${c}'"]) == ["serve.port=0"]
     assert api_key_of(compose_spec([])) == "sk-a,b=${c}'"
     assert take_api_key(["--api-key=sk-2"]) == [] and os.environ["PDFLOW_API_KEY"] == "sk-2"

@@ -31,3 +31,10 @@ class AttentionMetadata:
     # Longest chunk of new tokens, known on the host when the step is built: prefill
     # kernels size their grid from it instead of reading cu_seqlens_q back every layer.
     max_seqlen_q: int | None = None
+    # [B, max_blocks] int32: each *sequence's* block ids, for callers other than attention
+    # (the drafter). Differs from ``block_tables`` when a short-query step runs as one
+    # decode row per token; None means ``block_tables``.
+    sequence_block_tables: torch.Tensor | None = None
+
+    def block_tables_by_sequence(self) -> torch.Tensor:
+        return self.block_tables if self.sequence_block_tables is None else self.sequence_block_tables

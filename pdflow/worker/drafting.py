@@ -82,7 +82,7 @@ class Drafting:
             anchors = [committed[i] for i in rows]
             # The feature of the row that sampled the anchor (chain drafters start there).
             feature_rows = [cu[i] + p - 1 - starts[i] for i, p in zip(rows, anchors, strict=True)]
-            self._propose(msg, out, anchors, rows, meta.block_tables, features[self._index(feature_rows)],
+            self._propose(msg, out, anchors, rows, meta.block_tables_by_sequence(), features[self._index(feature_rows)],
                           sampling, default)
         return out
 

@@ -69,6 +69,7 @@ class StageRunner:
             context_lens=self._tensor(lens, torch.int32),
             block_tables=tables.index_select(0, self._tensor(owner, torch.int64)),
             max_seqlen_q=1,
+            sequence_block_tables=tables,
         )
 
     def forward(
