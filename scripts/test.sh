@@ -5,4 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 ruff check pdflow kernels tests scripts
-python -m pytest -q
+# Two xdist workers (one per core of a small machine), each test module on one worker so
+# its module-scoped deployments start once; PDFLOW_TEST_WORKERS=0 runs in one process.
+workers="${PDFLOW_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+  python -m pytest -q
+else
+  python -m pytest -q -n "$workers" --dist loadscope
+fi
