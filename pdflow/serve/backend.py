@@ -76,6 +76,7 @@ class LLMBackend:
         self._vocab_size = vocab_size
         self._block_size = block_size
         self._outputs: Iterator[TokenOutput] | None = None
+        self._draft_stats: dict[str, DraftStats] = {}
 
     @classmethod
     def from_llm(cls, llm) -> LLMBackend:
@@ -118,13 +119,18 @@ class LLMBackend:
         if self._outputs is None:
             self._outputs = self.llm.run()
         try:
-            return [next(self._outputs)]
+            out = next(self._outputs)
         except StopIteration:
             self._outputs = None
             return []
+        if out.finished and out.num_verify_steps:
+            self._draft_stats[out.request_id] = DraftStats(
+                drafted=out.num_drafted, accepted=out.num_accepted, verify_steps=out.num_verify_steps)
+        return [out]
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
-        return None
+        """The finished request's drafted/accepted counts (None: it never verified drafts)."""
+        return self._draft_stats.pop(request_id, None)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -200,6 +200,8 @@ class EngineLoop:
         for out in outputs:
             ticket = self._active.get(out.request_id)
             if ticket is None:  # aborted after the step produced it
+                if out.finished:
+                    self.backend.draft_stats(out.request_id)  # drop its counts
                 continue
             if out.error is not None:  # a fault ended it (a lost instance, a failed KV transfer)
                 self._finish(ticket, StreamEvent(error=out.error, error_status=502))
