@@ -73,8 +73,7 @@ def stack():
     deployment = Deployment(compose(OVERRIDES))
     with contextlib.ExitStack() as stop:
         stop.callback(deployment.shutdown)
-        backend = LLMBackend(deployment, max_model_len=deployment.max_model_len,
-                             vocab_size=deployment.vocab_size, block_size=deployment.block_size)
+        backend = LLMBackend.from_deployment(deployment)
         host = EngineHost(backend).start()
         stop.callback(host.stop)
         instance = stop.enter_context(ServerThread(create_app(host, model_name=MODEL, max_body_bytes=BODY_LIMIT)))

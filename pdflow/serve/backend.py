@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 
@@ -63,6 +64,36 @@ class ServingBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
+class EngineFacts:
+    """The ``ServingBackend`` properties of a backend over one ``LLMEngine`` (``self.engine``)."""
+
+    engine: LLMEngine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.parallel.block_size
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.engine.num_free_kv_blocks
+
+
 class LLMBackend:
     """``pdflow.LLM`` (or any driver with its API) as a ServingBackend.
 
@@ -84,6 +115,12 @@ class LLMBackend:
         engine = llm.engine
         return cls(llm, max_model_len=engine.max_model_len, vocab_size=engine.config.vocab_size,
                    block_size=engine.parallel.block_size)
+
+    @classmethod
+    def from_deployment(cls, deployment) -> LLMBackend:
+        """A ``pdflow.Deployment`` (its limits are the serving side's)."""
+        return cls(deployment, max_model_len=deployment.max_model_len, vocab_size=deployment.vocab_size,
+                   block_size=deployment.block_size)
 
     @property
     def max_model_len(self) -> int:

@@ -43,8 +43,7 @@ def _backend(spec: RunSpec):
     from pdflow.serve.deployment import Deployment
 
     deployment = Deployment(spec)
-    return LLMBackend(deployment, max_model_len=deployment.max_model_len,
-                      vocab_size=deployment.vocab_size, block_size=deployment.block_size)
+    return LLMBackend.from_deployment(deployment)
 
 
 @contextlib.contextmanager

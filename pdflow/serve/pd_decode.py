@@ -29,7 +29,7 @@ from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftStats, EngineFacts
 from pdflow.serve.engine_loop import EngineLoop, Ticket
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -86,7 +86,7 @@ class PairingLoop(EngineLoop):
         super().submit(ticket)
 
 
-class DecodeBackend:
+class DecodeBackend(EngineFacts):
     """The consumer's ``ServingBackend``."""
 
     def __init__(self, engine: LLMEngine, *, fingerprint: str, api_key: str | None, timeout_s: float):
@@ -106,31 +106,7 @@ class DecodeBackend:
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
         self._pool = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="pdflow-prefill")
 
-    # -- ServingBackend ----------------------------------------------------------------
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.parallel.block_size
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        return self.engine.num_free_kv_blocks
+    # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         rid = f"r{next(self._ids)}"

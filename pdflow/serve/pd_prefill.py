@@ -25,7 +25,7 @@ from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftStats, EngineFacts
 from pdflow.serve.errors import APIError
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -51,7 +51,7 @@ class RemotePrompt(list):
         self.job = job
 
 
-class PrefillBackend:
+class PrefillBackend(EngineFacts):
     """The producer's ``ServingBackend``: API requests whole, remote prefills into a
     paired consumer's blocks."""
 
@@ -67,31 +67,7 @@ class PrefillBackend:
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
 
-    # -- ServingBackend ----------------------------------------------------------------
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.parallel.block_size
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        return self.engine.num_free_kv_blocks
+    # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         rid = f"p{next(self._ids)}"
