@@ -106,8 +106,7 @@ def main() -> None:
         start = time.perf_counter()
         deployment.generate(prompts, sampling)
         offline_s = time.perf_counter() - start
-        backend = LLMBackend(deployment, max_model_len=deployment.max_model_len,
-                             vocab_size=deployment.vocab_size, block_size=deployment.block_size)
+        backend = LLMBackend(deployment)
         host = EngineHost(backend).start()
         try:
             with ServerThread(create_app(host, model_name="load")) as instance, \

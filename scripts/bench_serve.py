@@ -78,7 +78,7 @@ def main() -> None:
     sampling = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], sampling)  # warm-up
 
-    backend = LLMBackend.from_llm(llm)
+    backend = LLMBackend(llm)
     reqs = [WorkRequest(prompt=p, max_tokens=args.output_len, ignore_eos=True) for p in prompts]
     offline_s = served_s = float("inf")
     try:

@@ -35,8 +35,8 @@ def _base(args, kind: str) -> list[str]:
     return out
 
 
-def greedy(args, overrides: list[str], prompts: list[str]):
-    with Deployment(compose(overrides)) as d:
+def greedy(args, spec, prompts: list[str]):
+    with Deployment(spec) as d:
         return d.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
 
 
@@ -44,7 +44,7 @@ def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list
     """One row; ``reference`` is one process's greedy tokens without a drafter."""
     try:
         spec = compose([*_base(args, kind), *LAYOUTS[layout]])
-        outs = greedy(args, [*_base(args, kind), *LAYOUTS[layout]], prompts)
+        outs = greedy(args, spec, prompts)
     except GraphRefused as err:
         return f"| {kind} | {layout} | refused: {', '.join(sorted(r.code.value for r in err.refusals))} | | | | |"
     errors = [o.error for o in outs if o.error]
@@ -92,7 +92,7 @@ def main() -> None:
     prompts = [item.prompt for item in arith_eval_set(args.n)]
     print(f"# acceptance at k={args.k}, {args.n} held-out arith problems, greedy, "
           f"max_tokens={args.max_tokens}, device={args.device}")
-    reference = [o.token_ids for o in greedy(args, [*_base(args, "none"), *LAYOUTS["single"]], prompts)]
+    reference = [o.token_ids for o in greedy(args, compose([*_base(args, "none"), *LAYOUTS["single"]]), prompts)]
     print("(lossless: the same greedy tokens as one process without a drafter)")
     print("| drafter | layout | acceptance | tokens/forward | drafted | lossless | weights |")
     print("|---|---|---|---|---|---|---|")

@@ -41,7 +41,7 @@ def tiny_server():
         # One prompt at a time, as the tests send them (no batching differences).
         oracle = {p: llm.generate([p], greedy)[0] for p in PROMPTS}
         oracle["chat"] = llm.generate([llm.tokenizer.encode(fallback_prompt(list(CHAT)))], greedy)[0]
-        host = EngineHost(LLMBackend.from_llm(llm)).start()
+        host = EngineHost(LLMBackend(llm)).start()
         stack.callback(host.stop)
         plain = stack.enter_context(ServerThread(create_app(host, model_name=MODEL)))
         keyed = stack.enter_context(ServerThread(create_app(host, model_name=MODEL, api_key=KEY)))

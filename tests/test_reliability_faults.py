@@ -43,7 +43,7 @@ def served(overrides):
     deployment = Deployment(compose([*SMALL, *overrides]))
     with contextlib.ExitStack() as stop:
         stop.callback(deployment.shutdown)
-        backend = LLMBackend.from_deployment(deployment)
+        backend = LLMBackend(deployment)
         host = EngineHost(backend).start()
         stop.callback(host.stop)
         instance = stop.enter_context(ServerThread(create_app(host, model_name=MODEL)))

@@ -73,7 +73,7 @@ def stack():
     deployment = Deployment(compose(OVERRIDES))
     with contextlib.ExitStack() as stop:
         stop.callback(deployment.shutdown)
-        backend = LLMBackend.from_deployment(deployment)
+        backend = LLMBackend(deployment)
         host = EngineHost(backend).start()
         stop.callback(host.stop)
         instance = stop.enter_context(ServerThread(create_app(host, model_name=MODEL, max_body_bytes=BODY_LIMIT)))
@@ -299,7 +299,7 @@ def test_a_full_kv_pool_queues_a_bounded_few_and_refuses_the_rest_with_retry_aft
     llm = LLM("pdflow:assets/tiny", parallel, max_model_len=128)
     with contextlib.ExitStack() as stop:
         stop.callback(llm.shutdown)
-        host = EngineHost(LLMBackend.from_llm(llm),
+        host = EngineHost(LLMBackend(llm),
                           admission=AdmissionPolicy(max_queued=2, queue_timeout_s=0.5, retry_after_s=2)).start()
         stop.callback(host.stop)
         instance = stop.enter_context(ServerThread(create_app(host, model_name="tiny")))

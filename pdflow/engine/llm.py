@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.instance import Instance
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
@@ -99,7 +100,7 @@ def token_ids_of(prompt: Prompt, tokenizer, vocab: int) -> list[int]:
     return ids
 
 
-class LLM:
+class LLM(EngineFacts):
     """One engine instance driven to completion by this process (its ranks run in their
     own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
     checkpoint's tokenizer) or token-id lists.
@@ -138,18 +139,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.num_kv_blocks
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        return self.engine.num_free_kv_blocks
 
     @property
     def kv_usage(self) -> float:

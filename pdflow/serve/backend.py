@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 
@@ -64,75 +63,30 @@ class ServingBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
-class EngineFacts:
-    """The ``ServingBackend`` properties of a backend over one ``LLMEngine`` (``self.engine``)."""
-
-    engine: LLMEngine
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.parallel.block_size
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        return self.engine.num_free_kv_blocks
-
-
 class LLMBackend:
-    """``pdflow.LLM`` (or any driver with its API) as a ServingBackend.
+    """``pdflow.LLM`` or ``pdflow.Deployment`` as a ServingBackend.
 
     ``step`` pulls from one long-lived ``run()`` generator: requests queued between pulls
     join it (``run`` re-checks for unfinished work each step), and a fresh generator
     starts once it has drained."""
 
-    def __init__(self, llm, *, max_model_len: int, vocab_size: int, block_size: int):
+    def __init__(self, llm):
         self.llm = llm
-        self._max_model_len = max_model_len
-        self._vocab_size = vocab_size
-        self._block_size = block_size
         self._outputs: Iterator[TokenOutput] | None = None
         self._draft_stats: dict[str, DraftStats] = {}
 
-    @classmethod
-    def from_llm(cls, llm) -> LLMBackend:
-        """The limits the engine actually enforces (its pool may cap the model's length)."""
-        engine = llm.engine
-        return cls(llm, max_model_len=engine.max_model_len, vocab_size=engine.config.vocab_size,
-                   block_size=engine.parallel.block_size)
-
-    @classmethod
-    def from_deployment(cls, deployment) -> LLMBackend:
-        """A ``pdflow.Deployment`` (its limits are the serving side's)."""
-        return cls(deployment, max_model_len=deployment.max_model_len, vocab_size=deployment.vocab_size,
-                   block_size=deployment.block_size)
-
+    # The limits the driver's engine(s) enforce (a pool may cap the model's length).
     @property
     def max_model_len(self) -> int:
-        return self._max_model_len
+        return self.llm.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size
+        return self.llm.vocab_size
 
     @property
     def block_size(self) -> int:
-        return self._block_size
+        return self.llm.block_size
 
     @property
     def tokenizer(self):

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.instance import Instance
 from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
 from pdflow.engine.llm_engine import LLMEngine
@@ -46,7 +47,7 @@ class _Request:
     spec_counts: tuple[int, int, int] = (0, 0, 0)
 
 
-class Deployment:
+class Deployment(EngineFacts):
     def __init__(self, spec: RunSpec):
         if not isinstance(spec, RunSpec):
             raise TypeError(f"Deployment needs a RunSpec (pdflow.compose(overrides)), got {type(spec).__name__}")
@@ -63,7 +64,6 @@ class Deployment:
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = self.consumer.tokenizer
         self._ids = itertools.count()
         self._queue: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
@@ -272,29 +272,14 @@ class Deployment:
     # -- reporting ----------------------------------------------------------------------
 
     @property
-    def _front(self) -> LLMEngine:
-        """The instance requests meet: the consumer (the producer when serving alone)."""
+    def engine(self) -> LLMEngine:
+        """The instance requests meet (what ``EngineFacts`` reports): the consumer, the
+        producer when serving alone."""
         return self.consumer if self.consumer is not None and self._up(CONSUMER) else self.producer
 
     @property
     def max_model_len(self) -> int:
         return min(e.max_model_len for e in (self.producer, self.consumer) if e is not None)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._front.config.vocab_size
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._front.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._front.parallel.block_size
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        return self._front.num_free_kv_blocks
 
     def free_kv_blocks(self) -> dict[str, int]:
         """Free blocks of each live instance (equal to its pool when idle: no leak)."""

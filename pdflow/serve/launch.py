@@ -43,7 +43,7 @@ def _backend(spec: RunSpec):
     from pdflow.serve.deployment import Deployment
 
     deployment = Deployment(spec)
-    return LLMBackend.from_deployment(deployment)
+    return LLMBackend(deployment)
 
 
 @contextlib.contextmanager

@@ -25,11 +25,12 @@ import httpx
 import msgspec
 from fastapi import Depends, FastAPI
 
+from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats, EngineFacts
+from pdflow.serve.backend import DraftStats
 from pdflow.serve.engine_loop import EngineLoop, Ticket
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,

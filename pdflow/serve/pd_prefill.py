@@ -19,13 +19,14 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats, EngineFacts
+from pdflow.serve.backend import DraftStats
 from pdflow.serve.errors import APIError
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
