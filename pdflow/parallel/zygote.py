@@ -24,6 +24,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -54,8 +55,6 @@ class Zygote:
     """The owner's handle on its zygote process; thread-safe, one request at a time."""
 
     def __init__(self) -> None:
-        import subprocess
-
         ours, theirs = socket.socketpair()
         with theirs:
             fd = theirs.fileno()
@@ -114,8 +113,6 @@ class ForkedRank:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None and not select.select([self._pidfd], [], [], timeout)[0]:
-            import subprocess
-
             raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
         return self.poll()
 
