@@ -25,8 +25,8 @@ WORKLOADS = "accuracy,arith,default,needle,prefill,replay,serve"
 # name -> (pdflow run arguments, jobs it runs). Every job must serve without an error.
 RUNS = {
     "workloads": (["-m", f"workload={WORKLOADS}", "prefill=tp1", "decode=tp1", "drafter=none"], 7),
-    "ref_accuracy": (["+experiment=ref_accuracy", "prefill=pp4-uneven", "decode=tp2", "drafter=dspark"],
-                     1),
+    "ref_accuracy": (["+experiment=ref_accuracy", "prefill=pp4-uneven", "decode=tp2", "drafter=dspark",
+                      "transfer=nccl"], 1),
     "ref_prefill_cost": (["+experiment=ref_prefill_cost", "prefill=pp4", "decode=tp4", "drafter=eagle"], 1),
     "tp_prefills": (["-m", "prefill=pp2,tp2,tp4", "decode=tp1", "drafter=none", "tracking=off", *HF_TINY], 3),
     "tp8_eagle3": (["prefill=tp1", "decode=tp8", "drafter=eagle3", "workload=prefill", "tracking=off"], 1),

@@ -121,6 +121,8 @@ class KVEndpoint(msgspec.Struct, kw_only=True):
     rank: int
     session_id: str
     units: list[UnitAddress]
+    # transfer=nccl: "cpu" or "cuda:<GPU UUID>", so a producer rank picks how bytes move.
+    device: str = ""
 
 
 class OpenKVLink(msgspec.Struct, tag=True, kw_only=True):

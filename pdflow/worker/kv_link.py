@@ -11,8 +11,6 @@ addresses from the endpoints (``transfer.descriptors``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from pdflow.graph import CONSUMER, PRODUCER, Code, CutPlan, Refusal, RunGraph, UnitSpec
@@ -21,6 +19,7 @@ from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
 from pdflow.transfer.errors import PairingRefused
 from pdflow.transfer.mooncake_engine import MooncakeTransport
+from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, device_identity
 from pdflow.worker.faults import inject_fault
 
 
@@ -63,17 +62,32 @@ def endpoint_refusals(expected: dict[str, UnitSpec], endpoint: KVEndpoint, rank_
 
 
 class KVLink:
+    """One rank's KV transfer: Mooncake (one-sided writes into registered memory) or, with
+    ``transfer=nccl``, the two-sided point-to-point pairs of ``transfer.p2p``."""
+
     def __init__(self, graph: RunGraph, role: str, rank: int, caches: dict[str, torch.Tensor]):
         self.graph, self.role, self.rank = graph, role, rank
         self.units = {u.name: u for u in graph.rank(role, rank).units if u.name in caches}
-        self.transport = MooncakeTransport(graph.spec.transfer)
-        self.regions = {name: self.transport.register_unit(unit, caches[name])
-                        for name, unit in self.units.items()}
+        self.caches = {name: caches[name] for name in self.units}
+        self.p2p = graph.spec.transfer.backend == "nccl"
+        self.transport = self.listener = None
+        if self.p2p:
+            self.regions = {name: _local_region(unit, caches[name]) for name, unit in self.units.items()}
+            if role == CONSUMER and self.caches:
+                self.listener = P2PListener(graph=graph, rank=rank, caches=self.caches, spec=graph.spec.transfer)
+        else:
+            self.transport = MooncakeTransport(graph.spec.transfer)
+            self.regions = {name: self.transport.register_unit(unit, caches[name])
+                            for name, unit in self.units.items()}
         # Producer side, after pairing: consumer rank -> (session id, its unit regions).
         self.peers: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = {}
+        self.p2p_peers: dict[int, P2PPeer] = {}
 
     def endpoint(self) -> KVEndpoint:
-        return KVEndpoint(rank=self.rank, session_id=self.transport.session_id,
+        session = self.transport.session_id if self.transport is not None else (
+            self.listener.address if self.listener is not None else "")
+        device = device_identity(next(iter(self.caches.values())).device) if self.caches else ""
+        return KVEndpoint(rank=self.rank, session_id=session, device=device,
                           units=[_address(self.units[n], r) for n, r in self.regions.items()])
 
     def pair(self, endpoints: list[KVEndpoint]) -> None:
@@ -81,7 +95,7 @@ class KVLink:
         if self.role != PRODUCER:
             raise RuntimeError(f"{self.role} ranks do not export KV")
         by_rank = {e.rank: e for e in endpoints}
-        peers = {}
+        peers, p2p_peers = {}, {}
         for cut in self.graph.cuts:
             if cut.producer_rank != self.rank:
                 continue
@@ -91,26 +105,25 @@ class KVLink:
                 raise PairingRefused([Refusal(code=Code.PAIRING_RANK_UNKNOWN,
                                               message=f"no endpoint for consumer rank {consumer.label}.",
                                               fix="pair with every rank of the consumer instance.")])
-            cut = self._bound_part(cut)
+            cut = bound_plan(cut, set(self.regions))
             written = {dst for g in cut.groups for _, dst in g.units}
             expected = {u.name: u for u in consumer.units if u.name in written}
             refusals = endpoint_refusals(expected, endpoint, consumer.label)
             if refusals:
                 raise PairingRefused(refusals)
+            if self.p2p:
+                if cut.groups:
+                    p2p_peers[cut.consumer_rank] = P2PPeer(
+                        address=endpoint.session_id, consumer_device=endpoint.device, plan=cut, caches=self.caches,
+                        dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
+                        producer_rank=self.rank, spec=self.graph.spec.transfer)
+                continue
             regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
                                           chunk_blocks=u.chunk_blocks) for u in endpoint.units}
             peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
-        self.peers = peers
-
-    def _bound_part(self, cut: CutPlan) -> CutPlan:
-        """The part of a cut plan over units this rank has caches for (a drafter's units
-        join when its stage binds them)."""
-        groups = []
-        for group in cut.groups:
-            units = tuple((s, d) for s, d in group.units if s in self.regions)
-            if units:
-                groups.append(dataclasses.replace(group, units=units))
-        return dataclasses.replace(cut, groups=tuple(groups))
+        for old in self.p2p_peers.values():
+            old.close()
+        self.peers, self.p2p_peers = peers, p2p_peers
 
     def export(self, exports: list[KVExport]) -> dict[str, str]:
         """Write every request's blocks to every paired consumer rank; returns the
@@ -122,9 +135,21 @@ class KVLink:
                 for session, regions, cut in self.peers.values():
                     desc = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
                     self.transport.write(session, desc)
+                for peer in self.p2p_peers.values():
+                    peer.send(job.src_blocks, job.dst_blocks, job.request_id)
             except Exception as err:  # a failed write fails the request, never the rank
                 failed[job.request_id] = f"{type(err).__name__}: {err}"
         return failed
 
     def close(self) -> None:
-        self.transport.close()
+        for peer in self.p2p_peers.values():
+            peer.close()
+        if self.listener is not None:
+            self.listener.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _local_region(unit: UnitSpec, cache: torch.Tensor) -> UnitRegion:
+    """A unit's cache as the pairing check sees it (nothing is registered for p2p)."""
+    return UnitRegion(base=cache.data_ptr(), block_bytes=unit.bytes_per_block, num_blocks=cache.shape[0])

@@ -1,0 +1,323 @@
+"""Two-sided KV transfer between the ranks of one host (``transfer=nccl``).
+
+Mooncake writes one-sided into registered memory; here the consumer takes part, as in
+vLLM's P2P NCCL connector. One pair per (producer rank, consumer rank) that a cut plan
+joins: the consumer rank listens on a socket (typed control messages,
+``p2p_messages``); at pairing the producer says which source units it sends and how
+bytes will move, chosen from where the two caches live:
+
+- ``nccl``: two GPUs. NCCL send/recv in a two-rank process group made for the pair
+  (a ``FileStore`` rendezvous: one host).
+- ``ipc``: one GPU shared by both ranks (NCCL refuses two ranks on one device). The
+  consumer's receive buffer is mapped into the producer through CUDA IPC, so the
+  producer packs straight into it.
+- ``gloo``: CPU caches, Gloo send/recv on loopback (what the tests on a laptop run).
+
+Per request the producer packs the runs its cut plan names for that consumer rank into
+a buffer (``packing``: the packed order is the direct path's, so both leave identical
+caches), moves it in chunks of the consumer's receive buffer, and waits, per chunk, for
+the consumer's ack after it scattered the bytes into its caches: when ``send`` returns
+the KV is in place, as after a one-sided write, and the engine's path does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pdflow.graph import PRODUCER, CutPlan, RunGraph
+from pdflow.spec.transfer import TransferSpec
+from pdflow.transfer.errors import TransferError
+from pdflow.transfer.p2p_messages import (
+    CudaIpcHandle,
+    FramedSocket,
+    P2PAck,
+    P2PChunk,
+    P2PHello,
+    P2PReady,
+    P2PRequest,
+)
+from pdflow.transfer.packing import Piece, pack_piece, pieces, unpack_piece
+
+
+def device_identity(device: torch.device) -> str:
+    """``cpu``, or the GPU's UUID (the same physical GPU under any device numbering)."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def choose_mover(producer: str, consumer: str) -> str:
+    if producer == "cpu" and consumer == "cpu":
+        return "gloo"
+    if "cpu" in (producer, consumer):
+        raise TransferError(f"transfer=nccl moves between caches of one kind; producer on {producer}, "
+                            f"consumer on {consumer}")
+    return "ipc" if producer == consumer else "nccl"
+
+
+def bound_plan(cut: CutPlan, sources: set[str]) -> CutPlan:
+    """The part of a cut plan over the source units a producer rank has caches for (a
+    drafter's units join when its stage binds them)."""
+    groups = []
+    for group in cut.groups:
+        units = tuple((s, d) for s, d in group.units if s in sources)
+        if units:
+            groups.append(dataclasses.replace(group, units=units))
+    return dataclasses.replace(cut, groups=tuple(groups))
+
+
+def chunks(plan: CutPlan, num_blocks: int, max_bytes: int) -> list[list[Piece]]:
+    """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``."""
+    out: list[list[Piece]] = []
+    size = 0
+    for piece in pieces(plan, num_blocks, max_bytes):
+        if out and size + piece.nbytes <= max_bytes:
+            out[-1].append(piece)
+            size += piece.nbytes
+        else:
+            out.append([piece])
+            size = piece.nbytes
+    return out
+
+
+def _pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, 2)
+    store.set_timeout(timeout)
+    if mover == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def _share(buf: torch.Tensor) -> CudaIpcHandle:
+    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
+    return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
+                         ref_counter_offset=ref_offset, event_handle=event, event_sync_required=event_sync)
+
+
+def _map(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(device.index, h.handle, h.size, h.offset, h.ref_counter_handle,
+                                                    h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _stream(device: torch.device):
+    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class P2PPeer:
+    """A producer rank's pair with one consumer rank."""
+
+    def __init__(self, *, address: str, consumer_device: str, plan: CutPlan, caches: Mapping[str, torch.Tensor],
+                 dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec):
+        self.plan, self.caches, self.dst_block_bytes = plan, caches, dst_block_bytes
+        self.device = next(iter(caches.values())).device
+        self.mover = choose_mover(device_identity(self.device), consumer_device)
+        self.timeout_s = spec.timeout_s
+        host, port = address.rsplit(":", 1)
+        self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
+        self.broken = ""
+        self._lock = threading.Lock()
+        sources = sorted({s for g in plan.groups for s, _ in g.units})
+        self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover))
+        ready = self.conn.recv()
+        if not isinstance(ready, P2PReady) or ready.refused:
+            self.conn.close()
+            why = ready.refused if isinstance(ready, P2PReady) else f"answered {type(ready).__name__}"
+            raise TransferError(f"consumer at {address} refused the pair: {why}")
+        self.buffer_bytes = ready.buffer_bytes
+        if self.mover == "ipc":
+            self.buf, self.group = _map(ready.ipc, self.device), None
+        else:
+            self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
+            self.group = _pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
+
+    def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
+        """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
+        in its caches. A failure leaves the pair broken (the next send fails at once)."""
+        with self._lock:
+            if self.broken:
+                raise TransferError(f"the pair is broken: {self.broken}")
+            try:
+                self._send(src_blocks, dst_blocks, request_id)
+            except TransferError:
+                raise
+            except Exception as err:  # a dead peer, a timeout, a collective error
+                self.broken = f"{type(err).__name__}: {err}"
+                raise TransferError(self.broken) from err
+
+    def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
+        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        for i, chunk in enumerate(chunks(self.plan, len(src_blocks), self.buffer_bytes)):
+            base, nbytes = chunk[0].offset, sum(p.nbytes for p in chunk)
+            for p in chunk:
+                pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks,
+                           self.buf[p.offset - base:p.offset - base + p.nbytes],
+                           dst_block_bytes=self.dst_block_bytes[p.dst_unit])
+            if self.group is None:
+                _synchronize(self.device)  # packed into the consumer's buffer
+                self.conn.send(P2PChunk(index=i, nbytes=nbytes))
+            else:
+                self.conn.send(P2PChunk(index=i, nbytes=nbytes))
+                self.group.send([self.buf[:nbytes]], 0, 0).wait()
+            ack = self.conn.recv()
+            if not isinstance(ack, P2PAck) or ack.index != i:
+                raise ConnectionError(f"expected the ack of chunk {i}, got {ack}")
+            if ack.error:
+                raise TransferError(f"consumer failed chunk {i}: {ack.error}")
+
+    def close(self) -> None:
+        self.conn.close()
+        self.buf = None
+
+
+class P2PListener:
+    """A consumer rank's end: accepts producer ranks and scatters what they send."""
+
+    def __init__(self, *, graph: RunGraph, rank: int, caches: Mapping[str, torch.Tensor], spec: TransferSpec,
+                 buffer_bytes: int | None = None):
+        self.graph, self.rank, self.caches, self.spec = graph, rank, dict(caches), spec
+        self.buffer_bytes = buffer_bytes or spec.staging_mib << 20  # per producer rank paired
+        self.device = next(iter(caches.values())).device
+        self.identity = device_identity(self.device)
+        host = spec.host or "127.0.0.1"
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._dir = tempfile.mkdtemp(prefix="pdflow-p2p-")
+        self._sessions: list[_Session] = []
+        self._closed = threading.Event()
+        self.landed = 0  # requests scattered completely
+        threading.Thread(target=self._accept, name=f"p2p-accept-{rank}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            session = _Session(self, FramedSocket(sock))
+            self._sessions.append(session)
+            threading.Thread(target=session.serve, name=f"p2p-recv-{self.rank}", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.close()
+        for session in self._sessions:
+            session.conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Session:
+    """One producer rank's connection to a consumer rank, served on its own thread."""
+
+    def __init__(self, listener: P2PListener, conn: FramedSocket):
+        self.listener, self.conn = listener, conn
+
+    def serve(self) -> None:
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+            setup = self._pair()
+            if setup is not None:
+                device = self.listener.device
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                with _stream(device):
+                    while True:
+                        self._serve_request(*setup)
+        self.conn.close()
+
+    def _pair(self):
+        lis = self.listener
+        hello = self.conn.recv()
+        if not isinstance(hello, P2PHello):
+            return None
+        cut = next((c for c in lis.graph.cuts
+                    if c.producer_rank == hello.producer_rank and c.consumer_rank == lis.rank), None)
+        refused = ""
+        if cut is None:
+            refused = f"no cut plan joins producer rank {hello.producer_rank} to consumer rank {lis.rank}"
+        else:
+            plan = bound_plan(cut, set(hello.units))
+            missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
+            expected = "gloo" if lis.identity == "cpu" else ("nccl", "ipc")
+            if missing:
+                refused = f"consumer rank {lis.rank} has no caches for {missing}"
+            elif hello.mover not in expected:
+                refused = f"mover {hello.mover!r} cannot reach caches on {lis.identity}"
+        if refused:
+            self.conn.send(P2PReady(refused=refused))
+            return None
+        buffer_bytes = lis.buffer_bytes
+        buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
+        if hello.mover == "ipc":
+            self.conn.send(P2PReady(buffer_bytes=buffer_bytes, ipc=_share(buf)))
+            group = None
+        else:
+            path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")
+            self.conn.send(P2PReady(buffer_bytes=buffer_bytes, store_path=path))
+            if lis.device.type == "cuda":
+                torch.cuda.set_device(lis.device)
+            group = _pair_group(hello.mover, path, 0, lis.spec.timeout_s)
+        sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
+        return plan, buf, group, sources
+
+    def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
+        self.conn.sock.settimeout(None)  # idle between requests
+        request = self.conn.recv()
+        if not isinstance(request, P2PRequest):
+            raise ConnectionError(f"expected a request, got {type(request).__name__}")
+        self.conn.sock.settimeout(self.listener.spec.timeout_s)
+        blocks = request.dst_blocks
+        bad = _bad_blocks(blocks, plan, self.listener.caches)
+        for i, chunk in enumerate(chunks(plan, len(blocks), buf.numel())):
+            note = self.conn.recv()
+            nbytes = sum(p.nbytes for p in chunk)
+            if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != nbytes:
+                raise ConnectionError(f"expected chunk {i} of {nbytes} bytes, got {note}")
+            if group is not None:
+                group.recv([buf[:nbytes]], 1, 0).wait()
+            error = bad
+            if not error:
+                try:
+                    base = chunk[0].offset
+                    for p in chunk:
+                        unpack_piece(plan, p, buf[p.offset - base:p.offset - base + p.nbytes], blocks,
+                                     self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
+                    _synchronize(self.listener.device)
+                except Exception as err:  # the request fails, the pair serves on
+                    error = f"{type(err).__name__}: {err}"
+            self.conn.send(P2PAck(index=i, error=error))
+        if not bad:
+            self.listener.landed += 1
+
+
+def _bad_blocks(blocks: Sequence[int], plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> str:
+    """Why these consumer block ids cannot be written (checked before any byte lands: on a
+    GPU an out-of-range index would take the whole device context down)."""
+    dst = {d for g in plan.groups for _, d in g.units}
+    limit = min((caches[d].shape[0] for d in dst), default=0)
+    if len(set(blocks)) != len(blocks):
+        return f"consumer block ids repeat: {list(blocks)}"
+    out = [b for b in blocks if not 0 <= b < limit]
+    return f"consumer block ids {out} are outside the pool of {limit} blocks" if out else ""

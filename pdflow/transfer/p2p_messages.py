@@ -1,0 +1,117 @@
+"""Control messages of the two-sided (``transfer=nccl``) KV path, and their framing.
+
+One TCP connection per (producer rank, consumer rank), opened by the producer at pairing.
+Frames are a 4-byte big-endian length and a msgpack-encoded tagged message, decoded
+strictly: anything else ends the connection. Payload bytes never ride this socket: they
+move over the pair's process group (Gloo for CPU caches, NCCL between two GPUs) or through
+a CUDA IPC mapping of the consumer's receive buffer (both ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from typing import Annotated
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+MAX_FRAME = 1 << 24  # control messages only (a request's block list is the largest)
+
+MOVERS = ("gloo", "nccl", "ipc")  # CPU caches; two GPUs; one GPU shared by both ranks
+
+
+class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
+    """Producer -> consumer: who it is, the source units it sends, how bytes will move."""
+
+    producer_rank: NonNegative
+    units: list[str]
+    mover: str
+
+
+class CudaIpcHandle(msgspec.Struct, kw_only=True, frozen=True):
+    """What ``UntypedStorage._share_cuda_`` returns, typed, to map a buffer in another process."""
+
+    device: NonNegative
+    handle: bytes
+    size: NonNegative
+    offset: NonNegative
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNegative
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
+    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, the
+    rendezvous file of the pair's process group, or the buffer itself to map (``ipc``)."""
+
+    buffer_bytes: NonNegative = 0
+    store_path: str = ""
+    ipc: CudaIpcHandle | None = None
+    refused: str = ""
+
+
+class P2PRequest(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_request"):
+    """Producer -> consumer: one request's KV follows, for these consumer blocks."""
+
+    request_id: str
+    dst_blocks: list[NonNegative]
+
+
+class P2PChunk(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_chunk"):
+    """Producer -> consumer: chunk ``index`` of the request (``nbytes`` of packed runs) is on
+    its way (gloo, nccl) or already in the shared buffer (ipc)."""
+
+    index: NonNegative
+    nbytes: NonNegative
+
+
+class P2PAck(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ack"):
+    """Consumer -> producer: the chunk is scattered into the caches (or why not)."""
+
+    index: NonNegative
+    error: str = ""
+
+
+P2PMessage = P2PHello | P2PReady | P2PRequest | P2PChunk | P2PAck
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(P2PMessage)
+
+
+class FramedSocket:
+    """Length-prefixed typed messages (and raw byte payloads) over one stream socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, message: P2PMessage) -> None:
+        self.send_bytes(_encoder.encode(message))
+
+    def recv(self) -> P2PMessage:
+        return _decoder.decode(self.recv_bytes())
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(data)) + data)
+
+    def recv_bytes(self) -> bytes:
+        (n,) = struct.unpack(">I", self._exact(4))
+        if n > MAX_FRAME:
+            raise ConnectionError(f"a {n}-byte frame is over the {MAX_FRAME}-byte limit")
+        return self._exact(n)
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if not k:
+                raise ConnectionError("peer closed the connection")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()

@@ -1,0 +1,157 @@
+"""``transfer=nccl``: two-sided point-to-point pairs (Gloo on CPU, the same protocol NCCL
+and CUDA IPC run on GPUs). Each consumer rank must hold exactly its heads of the mapped
+blocks (the tensor-indexing oracle of ``transfer_kit``), also when a request spans several
+chunks of the receive buffer; the page-ignorant cut is caught by the same oracle; bad block
+ids and a lost consumer fail the request without a hang; and P/D through ``Deployment``
+gives one process's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transfer_kit
+from transfer_kit import caches_for, producer_caches_of, wrong_units
+
+from pdflow import Deployment, SamplingParams, compose
+from pdflow.graph import CONSUMER, PRODUCER
+from pdflow.transfer.errors import TransferError
+from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, chunks
+from pdflow.transfer.packing import packed_nbytes
+
+one_torch_thread = transfer_kit.one_torch_thread
+NUM_BLOCKS = 6
+REQUESTS = {"a": ([4, 0, 3], [1, 5, 2]), "b": ([1, 2], [0, 3])}
+BASE = ["transfer=nccl", "transfer.timeout_s=10", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
+        "prefill.block_size=32", "decode.block_size=32"]
+
+
+class Pairs:
+    """Every producer rank paired with every consumer rank its cut plans name, in one
+    process: listeners on loopback, Gloo groups over a FileStore, the real protocol."""
+
+    def __init__(self, graph, *, buffer_bytes: int | None = None):
+        self.graph = graph
+        self.producer_caches = producer_caches_of(graph, NUM_BLOCKS)
+        self.consumer_caches = {r.rank: caches_for(r.units, NUM_BLOCKS, fill="poison")
+                                for r in graph.consumer.ranks}
+        spec = graph.spec.transfer
+        self.listeners = {c: P2PListener(graph=graph, rank=c, caches=caches, spec=spec, buffer_bytes=buffer_bytes)
+                          for c, caches in self.consumer_caches.items()}
+        self.peers = {}
+        for cut in graph.cuts:
+            caches = self.producer_caches[cut.producer_rank]
+            plan = bound_plan(cut, set(caches))
+            consumer = graph.rank(CONSUMER, cut.consumer_rank)
+            self.peers[cut.producer_rank, cut.consumer_rank] = P2PPeer(
+                address=self.listeners[cut.consumer_rank].address, consumer_device="cpu", plan=plan, caches=caches,
+                dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
+                producer_rank=cut.producer_rank, spec=spec)
+
+    def move(self, requests=REQUESTS) -> None:
+        for src, dst in requests.values():
+            for peer in self.peers.values():
+                peer.send(src, dst)
+
+    def close(self) -> None:
+        for part in (*self.peers.values(), *self.listeners.values()):
+            part.close()
+
+
+@pytest.fixture
+def pairs_of(graph_of):
+    made = []
+
+    def make(*overrides, **kwargs):
+        made.append(Pairs(graph_of(*BASE, *overrides), **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+@pytest.mark.parametrize("layout", [["prefill=pp2", "decode=tp2", "drafter=dspark"],
+                                    ["prefill=tp2", "decode=tp4", "drafter=none"]], ids=["pp2->tp2", "tp2->tp4"])
+def test_every_consumer_rank_holds_exactly_its_heads(pairs_of, layout):
+    pairs = pairs_of(*layout)
+    pairs.move()
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+    assert sum(lis.landed for lis in pairs.listeners.values()) == len(REQUESTS) * len(pairs.peers)
+
+
+def test_a_request_larger_than_the_receive_buffer_moves_in_chunks(pairs_of, graph_of):
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=dspark")
+    cut = graph.cuts[0]
+    per_block = packed_nbytes(cut, 1)
+    buffer_bytes = 2 * per_block  # a 3-block request needs at least two chunks
+    assert len(chunks(cut, 3, buffer_bytes)) >= 2
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=dspark", buffer_bytes=buffer_bytes)
+    pairs.move()
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+
+
+def test_the_page_ignorant_cut_is_caught(pairs_of):
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.force_page_ignorant_cut=[mha]")
+    pairs.move()
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values())
+
+
+def test_bad_block_ids_fail_the_request_and_the_pair_serves_on(pairs_of):
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none")
+    peer = next(iter(pairs.peers.values()))
+    with pytest.raises(TransferError, match="outside the pool"):
+        peer.send([0, 1], [2, NUM_BLOCKS + 3])
+    with pytest.raises(TransferError, match="repeat"):
+        peer.send([0, 1], [2, 2])
+    pairs.move()  # every pair, the one that refused included
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+
+
+def test_a_lost_consumer_fails_the_send_instead_of_hanging(pairs_of):
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.timeout_s=3")
+    (p, c), peer = next(iter(pairs.peers.items()))
+    pairs.listeners[c].close()
+    with pytest.raises(TransferError):
+        peer.send([0], [1])
+    with pytest.raises(TransferError, match="broken"):
+        peer.send([0], [1])
+
+
+def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
+    caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
+    listener = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
+    try:
+        prod = producer_caches_of(graph, NUM_BLOCKS)[0]
+        cut = graph.cuts[0]
+        with pytest.raises(TransferError, match="no cut plan"):
+            P2PPeer(address=listener.address, consumer_device="cpu", plan=bound_plan(cut, set(prod)), caches=prod,
+                    dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
+                    producer_rank=len(graph.producer.ranks) + 5, spec=graph.spec.transfer)
+    finally:
+        listener.close()
+    assert graph.rank(PRODUCER, 0) is not None
+
+
+@pytest.mark.slow
+def test_pd_over_p2p_equals_one_process():
+    """PP2 -> TP2 with the DSpark drafter (its context K/V rides the same pairs) over Gloo
+    pairs between rank processes gives one process's greedy tokens."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (5, 70, 96)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    small = [*BASE, "drafter=dspark", "prefill.num_kv_blocks=24", "decode.num_kv_blocks=24",
+             "prefill.max_num_batched_tokens=64", "decode.max_num_batched_tokens=64", "transfer.staging_mib=1"]
+
+    def tokens(overrides):
+        with Deployment(compose([*small, *overrides])) as d:
+            outs = d.generate(prompts, greedy)
+            assert all(o.error is None for o in outs), [o.error for o in outs]
+            assert all(e.num_free_kv_blocks == e.num_kv_blocks for e in (d.producer, d.consumer) if e is not None)
+            return [o.token_ids for o in outs], [o.num_drafted for o in outs]
+
+    one, _ = tokens(["prefill=tp1", "decode=tp1", "mode=monolithic"])
+    pd, drafted = tokens(["prefill=pp2", "decode=tp2"])
+    assert pd == one
+    assert sum(drafted) > 0
