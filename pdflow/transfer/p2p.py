@@ -153,6 +153,7 @@ class P2PPeer:
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.group = _pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
+        self._sending: list = [None, None]  # the last send out of each half of ``buf``
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
@@ -170,23 +171,37 @@ class P2PPeer:
 
     def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
-        for i, chunk in enumerate(chunks(self.plan, len(src_blocks), self.buffer_bytes)):
-            base, nbytes = chunk[0].offset, sum(p.nbytes for p in chunk)
-            for p in chunk:
-                pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks,
-                           self.buf[p.offset - base:p.offset - base + p.nbytes],
-                           dst_block_bytes=self.dst_block_bytes[p.dst_unit])
-            if self.group is None:
-                _synchronize(self.device)  # packed into the consumer's buffer
-                self.conn.send(P2PChunk(index=i, nbytes=nbytes))
-            else:
-                self.conn.send(P2PChunk(index=i, nbytes=nbytes))
-                self.group.send([self.buf[:nbytes]], 0, 0).wait()
-            ack = self.conn.recv()
-            if not isinstance(ack, P2PAck) or ack.index != i:
-                raise ConnectionError(f"expected the ack of chunk {i}, got {ack}")
-            if ack.error:
-                raise TransferError(f"consumer failed chunk {i}: {ack.error}")
+        if self.group is None:  # ipc: pack into the consumer's own buffer, a chunk at a time
+            parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
+            for i, chunk in enumerate(parts):
+                self._pack(chunk, self.buf, src_blocks)
+                _synchronize(self.device)
+                self.conn.send(P2PChunk(index=i, nbytes=_size(chunk)))
+                if i + 1 < len(parts):
+                    self._ack(i)
+        else:  # two halves: pack chunk i+1 while chunk i is on the wire
+            half = self.buffer_bytes // 2
+            parts = chunks(self.plan, len(src_blocks), half)
+            for i, chunk in enumerate(parts):
+                slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
+                if self._sending[i % 2] is not None:
+                    self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
+                self._pack(chunk, slot, src_blocks)
+                self._sending[i % 2] = self.group.send([slot[:_size(chunk)]], 0, 0)
+        self._ack(max(len(parts) - 1, 0))
+
+    def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
+        base = chunk[0].offset
+        for p in chunk:
+            pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],
+                       dst_block_bytes=self.dst_block_bytes[p.dst_unit])
+
+    def _ack(self, index: int) -> None:
+        ack = self.conn.recv()
+        if not isinstance(ack, P2PAck) or ack.index != index:
+            raise ConnectionError(f"expected the ack of chunk {index}, got {ack}")
+        if ack.error:
+            raise TransferError(f"consumer failed the request: {ack.error}")
 
     def close(self) -> None:
         self.conn.close()
@@ -289,27 +304,54 @@ class _Session:
             raise ConnectionError(f"expected a request, got {type(request).__name__}")
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         blocks = request.dst_blocks
-        bad = _bad_blocks(blocks, plan, self.listener.caches)
-        for i, chunk in enumerate(chunks(plan, len(blocks), buf.numel())):
-            note = self.conn.recv()
-            nbytes = sum(p.nbytes for p in chunk)
-            if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != nbytes:
-                raise ConnectionError(f"expected chunk {i} of {nbytes} bytes, got {note}")
-            if group is not None:
-                group.recv([buf[:nbytes]], 1, 0).wait()
-            error = bad
-            if not error:
-                try:
-                    base = chunk[0].offset
-                    for p in chunk:
-                        unpack_piece(plan, p, buf[p.offset - base:p.offset - base + p.nbytes], blocks,
-                                     self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
-                    _synchronize(self.listener.device)
-                except Exception as err:  # the request fails, the pair serves on
-                    error = f"{type(err).__name__}: {err}"
-            self.conn.send(P2PAck(index=i, error=error))
-        if not bad:
+        error = _bad_blocks(blocks, plan, self.listener.caches)
+
+        def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
+            if error:
+                return error  # the bytes were drained, never written
+            try:
+                base = chunk[0].offset
+                for p in chunk:
+                    unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
+                                 self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
+                return ""
+            except Exception as err:  # the request fails, the pair serves on
+                return f"{type(err).__name__}: {err}"
+
+        if group is None:  # ipc: the producer packed into ``buf``; ack each chunk
+            parts = chunks(plan, len(blocks), buf.numel())
+            for i, chunk in enumerate(parts):
+                note = self.conn.recv()
+                if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != _size(chunk):
+                    raise ConnectionError(f"expected chunk {i} of {_size(chunk)} bytes, got {note}")
+                error = scatter(chunk, buf)
+                _synchronize(self.listener.device)
+                if i + 1 < len(parts):
+                    self.conn.send(P2PAck(index=i, error=error))
+        else:  # two halves: receive chunk i+1 while chunk i is scattered
+            half = buf.numel() // 2
+            parts = chunks(plan, len(blocks), half)
+            slots = [buf[:half], buf[half:2 * half]]
+            pending = {}
+
+            def post(i: int) -> None:
+                pending[i] = group.recv([slots[i % 2][:_size(parts[i])]], 1, 0)
+
+            if parts:
+                post(0)
+            for i, chunk in enumerate(parts):
+                if i + 1 < len(parts):
+                    post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
+                pending.pop(i).wait()
+                error = scatter(chunk, slots[i % 2])
+            _synchronize(self.listener.device)
+        self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
+        if not error:
             self.listener.landed += 1
+
+
+def _size(chunk: list[Piece]) -> int:
+    return sum(p.nbytes for p in chunk)
 
 
 def _bad_blocks(blocks: Sequence[int], plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> str:

@@ -1,0 +1,238 @@
+"""Table 1 of the GPU P/D bench: one request's head-cut KV through ``transfer=nccl``.
+
+A TP1 producer on GPU 0 (every layer, every KV head of the model's geometry) writes a
+request to a TP2 consumer: rank 1 on GPU 1 (NCCL between the GPUs) and rank 0 on GPU 0
+(the same GPU: CUDA IPC). Three processes, as in a deployment. For each page size and
+prompt length: GB/s of the p2p pair, one NCCL send of the same total bytes between the
+same GPUs in the same run (plus an 8-byte ack back, as the pair acks), the ratio, the
+same-GPU pair against a device copy of the same bytes, and whether every consumer rank
+holds exactly its heads (the tests' tensor-indexing oracle, on the shortest prompt).
+
+    python scripts/bench_gpu_transfer.py                       # 2 GPUs, Llama-3-8B heads
+    python scripts/bench_gpu_transfer.py --device cpu --model tiny --tokens 256 --pages 16   # smoke
+"""
+
+# ruff: noqa: B023  (each lambda runs before its loop variables move on)
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from pdflow import compose  # noqa: E402
+from pdflow.attention.kv_cache import TORCH_DTYPES  # noqa: E402
+from pdflow.graph import CONSUMER, PRODUCER, build_graph  # noqa: E402
+from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, device_identity  # noqa: E402
+from pdflow.transfer.packing import packed_nbytes  # noqa: E402
+
+BLOCK = 128
+
+
+def graph_for(model: str, page: int, device: str, staging_mib: int):
+    spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", "transfer=nccl",
+                    f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60",
+                    f"prefill.block_size={BLOCK}", f"decode.block_size={BLOCK}", f"prefill.kv_page_tokens={page}",
+                    f"decode.kv_page_tokens={page}", f"prefill.device={device}", f"decode.device={device}"])
+    return build_graph(spec)
+
+
+def caches(units, num_blocks: int, device, *, seed: int | None):
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    for u in units:
+        cache = torch.empty(u.cache_shape(num_blocks), dtype=TORCH_DTYPES[u.dtype], device=device)
+        raw = cache.view(-1).view(torch.uint8)
+        if gen is None:
+            raw.fill_(0xFF)
+        else:
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=device, generator=gen))
+        out[u.name] = cache
+    return out
+
+
+def _device(args, gpu: int):
+    if args.device == "cuda":
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
+
+
+def _baseline_group(args, rank: int, path: str):
+    store = dist.FileStore(path, 2)
+    if args.device == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
+    device = _device(args, rank)
+    group = _baseline_group(args, 1, base_path) if rank == 1 else None
+    for page in args.pages:
+        graph = graph_for(args.model, page, args.device, args.staging_mib)
+        blocks = max(args.tokens) // BLOCK
+        mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
+        listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer)
+        outbox.put((rank, listener.address, device_identity(device)))
+        while True:
+            cmd = inbox.get()
+            if cmd[0] == "baseline":
+                buf = torch.empty(cmd[1], dtype=torch.uint8, device=device)
+                ack = torch.zeros(1, dtype=torch.int64, device=device)
+                for _ in range(cmd[2]):
+                    group.recv([buf], 0, 0).wait()
+                    group.send([ack], 0, 0).wait()
+                outbox.put(("baseline-done", rank))
+            elif cmd[0] == "check":
+                import transfer_kit
+                src = {0: caches(graph.rank(PRODUCER, 0).units, blocks, device, seed=args.seed)}
+                bad = []
+                for unit in graph.rank(CONSUMER, rank).units:
+                    got = transfer_kit.as_bytes(mine[unit.name])[cmd[2]]
+                    want = transfer_kit.expected_consumer(graph, src, rank, unit, mine[unit.name], cmd[1], cmd[2])
+                    bad += [] if torch.equal(got, want[cmd[2]]) else [unit.name]
+                outbox.put(("checked", rank, bad))
+            elif cmd[0] == "next":
+                listener.close()
+                break
+
+
+def producer(args, queues, outbox, result, base_path: str) -> None:
+    device = _device(args, 0)
+    group = _baseline_group(args, 0, base_path)
+    rows = []
+    for page in args.pages:
+        graph = graph_for(args.model, page, args.device, args.staging_mib)
+        blocks = max(args.tokens) // BLOCK
+        mine = caches(graph.rank(PRODUCER, 0).units, blocks, device, seed=args.seed)
+        addresses = {}
+        for _ in queues:
+            rank, address, identity = outbox.get()
+            addresses[rank] = (address, identity)
+        peers = {}
+        for cut in graph.cuts:
+            plan = bound_plan(cut, set(mine))
+            units = graph.rank(CONSUMER, cut.consumer_rank).units
+            peers[cut.consumer_rank] = P2PPeer(
+                address=addresses[cut.consumer_rank][0], consumer_device=addresses[cut.consumer_rank][1], plan=plan,
+                caches=mine, dst_block_bytes={u.name: u.bytes_per_block for u in units}, producer_rank=0,
+                spec=graph.spec.transfer)
+        for tokens in args.tokens:
+            n = tokens // BLOCK
+            src = list(range(n))
+            dst = list(range(n))[::-1]  # scattered: the consumer's blocks in another order
+            row = {"page": page, "tokens": tokens}
+            for rank, peer in peers.items():
+                nbytes = packed_nbytes(peer.plan, n)
+                secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
+                row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9)
+            row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
+                lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
+            nbytes = row["r1"][1]
+            queues[1].put(("baseline", nbytes, args.reps + 2))
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            ack = torch.zeros(1, dtype=torch.int64, device=device)
+            row["nccl_one"] = nbytes / _timed(lambda: (group.send([buf], 1, 0).wait(), group.recv([ack], 1, 0).wait()),
+                                              args.reps, device) / 1e9
+            assert outbox.get()[0] == "baseline-done"
+            other = torch.empty_like(buf)
+            row["copy"] = nbytes / _timed(lambda: other.copy_(buf), args.reps, device) / 1e9
+            if tokens == min(args.tokens):
+                bad = []
+                for q in queues.values():
+                    q.put(("check", src, dst))
+                for _ in queues:
+                    _, rank, wrong = outbox.get()
+                    bad += [f"r{rank}:{u}" for u in wrong]
+                row["exact"] = "yes" if not bad else f"NO {bad[:4]}"
+            rows.append(row)
+            print(row, flush=True)
+        for peer in peers.values():
+            peer.close()
+        for q in queues.values():
+            q.put(("next",))
+    result.put(rows)
+
+
+def _timed(fn, reps: int, device) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def table(rows, args) -> str:
+    out = ["| page | tokens | pair | mover | MiB | GB/s | one NCCL send GB/s | ratio | exact |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for rank in (1, 0):
+            mover, nbytes, gbs = r[f"r{rank}"]
+            base, name = (r["nccl_one"], "one send") if rank == 1 else (r["copy"], "device copy")
+            out.append(f"| {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | {nbytes / 2**20:.0f} | "
+                       f"{gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | {r.get('exact', '-')} |")
+        out.append(f"| {r['page']} | {r['tokens']} | both ranks, in turn | - | - | {r['both']:.1f} | - | - | - |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--pages", default="128,16")
+    ap.add_argument("--tokens", default="2048,16384")
+    ap.add_argument("--staging-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.pages = [int(x) for x in args.pages.split(",")]
+    args.tokens = sorted(int(x) for x in args.tokens.split(","))
+    ctx = mp.get_context("spawn")
+    outbox, result = ctx.Queue(), ctx.Queue()
+    queues = {r: ctx.Queue() for r in (0, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "baseline")
+        procs = [ctx.Process(target=consumer, args=(args, r, queues[r], outbox, base), daemon=True) for r in (0, 1)]
+        procs.append(ctx.Process(target=producer, args=(args, queues, outbox, result, base), daemon=True))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 540
+        rows = None
+        while rows is None and time.monotonic() < deadline and procs[-1].is_alive():
+            try:
+                rows = result.get(timeout=2)
+            except Exception:
+                continue
+        for p in procs:
+            p.kill()
+    if rows is None:
+        sys.exit("the producer process ended without a table")
+    hw = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"\n# transfer=nccl, one request's head-cut KV ({args.model} heads, TP1 -> TP2, block {BLOCK})")
+    print(f"{hw}, torch {torch.__version__}, commit {commit or '?'}, {datetime.date.today()}; "
+          f"command: {' '.join(sys.argv)}\n")
+    print(table(rows, args))
+
+
+if __name__ == "__main__":
+    main()
