@@ -14,7 +14,7 @@ import sys
 import torch
 
 # Reloaded in this order: a module after the ones it imports kernels from.
-KERNEL_MODULES = ("_common", "store_kv", "decode_attention", "block_attention",
+KERNEL_MODULES = ("_common", "copy_runs", "store_kv", "decode_attention", "block_attention",
                   "prefill_attention", "prefill_tma", "prefill_gluon", "prefill_auto")
 
 

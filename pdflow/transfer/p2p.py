@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pdflow.graph import PRODUCER, CutPlan, RunGraph
+from pdflow.kernels.copy_runs import copy_runs
 from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.p2p_messages import (
@@ -49,6 +50,7 @@ from pdflow.transfer.p2p_messages import (
     P2PRequest,
 )
 from pdflow.transfer.packing import Piece, pack_piece, pieces, unpack_piece
+from pdflow.transfer.run_table import RunTable, chunk_table
 
 
 def device_identity(device: torch.device) -> str:
@@ -154,6 +156,9 @@ class P2PPeer:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.group = _pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
+        # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
+        self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
+        self._entries = None
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
@@ -170,6 +175,11 @@ class P2PPeer:
                 raise TransferError(self.broken) from err
 
     def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
+        limit = min(self.caches[s].shape[0] for g in self.plan.groups for s, _ in g.units)
+        if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
+            raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
+                                f"{len(dst_blocks)} consumer blocks")
+        self._entries = self.table.entries(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
         if self.group is None:  # ipc: pack into the consumer's own buffer, a chunk at a time
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
@@ -192,6 +202,10 @@ class P2PPeer:
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
         base = chunk[0].offset
+        if self.table is not None:
+            table = chunk_table(self._entries, base, base + _size(chunk), out.data_ptr(), into_buffer=True)
+            copy_runs(table.to(self.device, non_blocking=True), self.table.max_words)
+            return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],
                        dst_block_bytes=self.dst_block_bytes[p.dst_unit])
@@ -249,6 +263,7 @@ class _Session:
 
     def __init__(self, listener: P2PListener, conn: FramedSocket):
         self.listener, self.conn = listener, conn
+        self.table: RunTable | None = None
 
     def serve(self) -> None:
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
@@ -295,6 +310,7 @@ class _Session:
                 torch.cuda.set_device(lis.device)
             group = _pair_group(hello.mover, path, 0, lis.spec.timeout_s)
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
+        self.table = RunTable(plan, lis.caches, "dst") if lis.device.type == "cuda" else None
         return plan, buf, group, sources
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
@@ -305,12 +321,17 @@ class _Session:
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         blocks = request.dst_blocks
         error = _bad_blocks(blocks, plan, self.listener.caches)
+        entries = self.table.entries(blocks) if self.table is not None and not error else None
 
         def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
             if error:
                 return error  # the bytes were drained, never written
             try:
                 base = chunk[0].offset
+                if entries is not None:  # one kernel over the chunk's runs
+                    table = chunk_table(entries, base, base + _size(chunk), data.data_ptr(), into_buffer=False)
+                    copy_runs(table.to(data.device, non_blocking=True), self.table.max_words)
+                    return ""
                 for p in chunk:
                     unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
                                  self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])

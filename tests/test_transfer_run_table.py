@@ -1,0 +1,81 @@
+"""The GPU pack/scatter of ``transfer=nccl``: one ``copy_runs`` launch per chunk from a
+``RunTable`` must leave the bytes ``packing`` leaves (the path the CPU pairs and the
+Mooncake staging run), chunk by chunk, under TRITON_INTERPRET on CPU tensors; and a
+table built for the wrong blocks is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdflow.kernels.interpreter import use_interpreter_if_no_cuda
+from transfer_kit import caches_for, producer_caches_of
+
+from pdflow.graph import CONSUMER
+
+use_interpreter_if_no_cuda()
+
+import pdflow.kernels.copy_runs as copy_runs_mod  # noqa: E402
+
+from pdflow.transfer.p2p import bound_plan, chunks  # noqa: E402
+from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
+from pdflow.transfer.run_table import RunTable, chunk_table  # noqa: E402
+
+SRC, DST = [4, 0, 3], [1, 5, 2]
+OVERRIDES = ["transfer=nccl", "prefill=pp2", "decode=tp2", "drafter=dspark", "prefill.block_size=32",
+             "decode.block_size=32"]
+
+
+def _copy(kind: str, table: torch.Tensor, max_words: int) -> None:
+    if kind == "triton":
+        if torch.cuda.is_available():
+            pytest.skip("CPU tensors through the interpreter; on a GPU the transfer bench checks the kernel")
+        copy_runs_mod.copy_runs(table, max_words)
+    else:
+        copy_runs_mod.copy_runs_reference(table)
+
+
+@pytest.mark.parametrize("kind", ["triton", "reference"])
+@pytest.mark.parametrize("page", [16, 32])
+def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
+    graph = graph_of(*OVERRIDES, f"prefill.kv_page_tokens={page}", f"decode.kv_page_tokens={page}")
+    cut = graph.cuts[1]
+    src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
+    plan = bound_plan(cut, set(src_caches))
+    units = graph.rank(CONSUMER, cut.consumer_rank).units
+    dst_bytes = {u.name: u.bytes_per_block for u in units}
+    src_bytes = {n: c[0].numel() * c.element_size() for n, c in src_caches.items()}
+    want = torch.empty(packed_nbytes(plan, len(SRC)), dtype=torch.uint8)
+    pack(plan, src_caches, SRC, want, dst_bytes)
+    want_caches = caches_for(units, 6, fill="poison")
+    unpack(plan, want, DST, want_caches, src_bytes)
+
+    got_caches = caches_for(units, 6, fill="poison")
+    packer = RunTable(plan, src_caches, "src")
+    scatterer = RunTable(plan, got_caches, "dst")
+    src_entries, dst_entries = packer.entries(SRC), scatterer.entries(DST)
+    parts = chunks(plan, len(SRC), max(p.nbytes for p in chunks(plan, len(SRC), 1 << 30)[0]) // 2 or 1)
+    assert len(parts) > 1  # several chunks, each packed and scattered on its own
+    for chunk in parts:
+        lo = chunk[0].offset
+        hi = lo + sum(p.nbytes for p in chunk)
+        buf = torch.zeros(hi - lo, dtype=torch.uint8)
+        _copy(kind, chunk_table(src_entries, lo, hi, buf.data_ptr(), into_buffer=True), packer.max_words)
+        assert torch.equal(buf, want[lo:hi])
+        _copy(kind, chunk_table(dst_entries, lo, hi, buf.data_ptr(), into_buffer=False), scatterer.max_words)
+    for name, cache in want_caches.items():
+        assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
+
+
+def test_a_table_for_other_blocks_is_caught(graph_of):
+    graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16")
+    cut = graph.cuts[1]
+    src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
+    plan = bound_plan(cut, set(src_caches))
+    dst_bytes = {u.name: u.bytes_per_block for u in graph.rank(CONSUMER, cut.consumer_rank).units}
+    want = torch.empty(packed_nbytes(plan, len(SRC)), dtype=torch.uint8)
+    pack(plan, src_caches, SRC, want, dst_bytes)
+    table = RunTable(plan, src_caches, "src")
+    got = torch.zeros_like(want)
+    copy_runs_mod.copy_runs_reference(chunk_table(table.entries(SRC[::-1]), 0, len(want), got.data_ptr(),
+                                                  into_buffer=True))
+    assert not torch.equal(got, want)
