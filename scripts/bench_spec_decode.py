@@ -17,6 +17,7 @@ import argparse
 import time
 
 from pdflow import Deployment, SamplingParams, compose
+from pdflow.bench.step_trace import StepTrace
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.graph import GraphRefused
 from pdflow.worker.drafter_build import drafter_checkpoint
@@ -62,19 +63,26 @@ def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list
             f"{weights.name if weights else 'random'} |")
 
 
-def speed(args, kind: str, batch: int, prompts: list[str]) -> float:
-    """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored)."""
+def speed(args, kind: str, batch: int, prompts: list[str]) -> tuple[float, str]:
+    """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored),
+    and what the timed run's steps did (paths, graphed, kernels built, slowest step)."""
     params = SamplingParams(temperature=0.0, max_tokens=args.speed_tokens, ignore_eos=True)
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
     overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}"]
     with Deployment(compose(overrides)) as d:
-        # Warm every path the timed run takes (prefill, prefix-hit tails, verify steps), so
-        # no kernel compiles or graph captures inside the timing.
-        d.generate(chosen, SamplingParams(temperature=0.0, max_tokens=args.k + 2, ignore_eos=True))
-        start = time.perf_counter()
-        outs = d.generate(chosen, params)
-        elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / elapsed
+        # Warm every path the timed run takes, so no kernel compiles or graph captures
+        # inside the timing: the first run prefills whole prompts, the second hits the
+        # prefix cache and prefills only each prompt's tail (as the timed run does), and
+        # both decode through verify steps.
+        warm = SamplingParams(temperature=0.0, max_tokens=args.k + 2, ignore_eos=True)
+        for _ in range(2):
+            d.generate(chosen, warm)
+        with StepTrace(d.consumer) as trace:
+            start = time.perf_counter()
+            outs = d.generate(chosen, params)
+            elapsed = time.perf_counter() - start
+    rate = sum(len(o.token_ids) for o in outs) / elapsed
+    return rate, f"- batch {batch} {kind}: {trace.summary()}"
 
 
 def main() -> None:
@@ -87,9 +95,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--speed-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--speed-only", action="store_true", help="skip the acceptance table")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     prompts = [item.prompt for item in arith_eval_set(args.n)]
+    if not args.speed_only:
+        acceptance_table(args, kinds, prompts)
+    speed_table(args, kinds, prompts)
+
+
+def acceptance_table(args, kinds: list[str], prompts: list[str]) -> None:
     print(f"# acceptance at k={args.k}, {args.n} held-out arith problems, greedy, "
           f"max_tokens={args.max_tokens}, device={args.device}")
     reference = [o.token_ids for o in greedy(args, compose([*_base(args, "none"), *LAYOUTS["single"]]), prompts)]
@@ -99,16 +114,24 @@ def main() -> None:
     for kind in kinds:
         for layout in args.layouts.split(","):
             print(acceptance(args, kind, layout, prompts, reference), flush=True)
+
+
+def speed_table(args, kinds: list[str], prompts: list[str]) -> None:
     print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
     print("| batch | none | " + " | ".join(f"{k} | {k}/none" for k in kinds) + " |")
     print("|---|---|" + "---|---|" * len(kinds))
+    traces = []
     for batch in (int(b) for b in args.batches.split(",") if b):
-        base = speed(args, "none", batch, prompts)
+        base, trace = speed(args, "none", batch, prompts)
+        traces.append(trace)
         cells = []
         for kind in kinds:
-            rate = speed(args, kind, batch, prompts)
+            rate, trace = speed(args, kind, batch, prompts)
+            traces.append(trace)
             cells.append(f"{rate:.1f} | {rate / base:.2f}x")
         print(f"| {batch} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)
+    print("\n# the timed runs' steps (paths: stage_runner; a replayed graph calls no attention op)")
+    print("\n".join(traces))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Where a decode step's time goes, with and without the drafter: mean step wall time,
-host syncs are inside it, over a fixed batch on one instance, then the top host ops of a
-few steps (torch.profiler). For reading, not a benchmark table.
+host syncs are inside it, over a fixed batch on one instance, each step's path (prefill
+tiles, decode, decode rows), whether a CUDA graph replayed it, the attention ops it ran
+eagerly and the Triton kernels built while timed (should be 0), then the top ops of a
+few steady steps (torch.profiler). For reading, not a benchmark table.
 
     python scripts/profile_spec_step.py --device cuda --batch 1 --modes none,dspark-eager,dspark
 """
@@ -14,6 +16,7 @@ import time
 import torch
 
 from pdflow import SamplingParams
+from pdflow.bench.step_trace import StepTrace
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.engine.llm import LLM
 from pdflow.spec.load import compose_spec
@@ -34,21 +37,30 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--modes", default="none,dspark-eager,dspark")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--show-steps", type=int, default=12, help="per-step lines printed per mode")
     args = parser.parse_args()
     prompts = [it.prompt for it in arith_eval_set(args.batch, k_shot=5, seed=11)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     for mode in args.modes.split(","):
         with _llm(args, mode) as llm:
-            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+            # Twice: whole prompts, then the prefix-hit tails the timed run takes.
+            for _ in range(2):
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
             engine = llm.engine
-            steps0, graphed0 = engine.steps, engine.graph_steps
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            elapsed = time.perf_counter() - start
-            steps = engine.steps - steps0
+            with StepTrace(engine) as trace:
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                elapsed = time.perf_counter() - start
+            steps = len(trace.records)
             tokens = sum(len(o.token_ids) for o in outs)
-            print(f"## {mode} batch {args.batch}: {steps} steps ({engine.graph_steps - graphed0} graphed), "
-                  f"{1e3 * elapsed / steps:.2f} ms/step, {tokens / elapsed:.0f} tok/s", flush=True)
+            steady = [r.ms for r in trace.records[1:]]  # past the prefix-hit tail
+            print(f"## {mode} batch {args.batch}: {steps} steps, {1e3 * elapsed / steps:.2f} ms/step, "
+                  f"{tokens / elapsed:.0f} tok/s; steps after the first: "
+                  f"{sum(steady) / max(len(steady), 1):.2f} ms mean", flush=True)
+            print(trace.summary())
+            for rec in trace.records[: args.show_steps]:
+                print("  " + rec.line())
+            # The window holds one prefix-hit tail step per request, then 16-token decodes.
             acts = [torch.profiler.ProfilerActivity.CPU]
             if args.device == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)

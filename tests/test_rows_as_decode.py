@@ -1,6 +1,6 @@
-"""A step of short queries (a verify of [anchor, k drafts], a tiny chunk) runs as one
-decode row per new token over its own causal prefix; it must attend exactly as the
-prefill op over the same step does, and an off-by-one prefix is caught."""
+"""A step of short queries (a verify of [anchor, k drafts], a short chunk or prefix-hit
+tail) runs as one decode row per new token over its own causal prefix; it must attend
+exactly as the prefill op over the same step does, and an off-by-one prefix is caught."""
 
 from __future__ import annotations
 
@@ -30,14 +30,19 @@ def verify_step(q_lens: list[int], starts: list[int]) -> StepInput:
                      sample_rows=[], sample_seq_ids=[], sampling=[SamplingSpec()])
 
 
-@pytest.mark.parametrize("q_lens", [[8], [8, 8, 8], [1, 5, 8, 3]])
-def test_short_query_rows_attend_like_the_prefill_op(q_lens, monkeypatch):
+@pytest.mark.parametrize(("q_lens", "starts"), [
+    ([8], [37]), ([8, 8, 8], [37, 3, 50]), ([1, 5, 8, 3], [37, 3, 50, 20]),
+    ([28], [30]),  # a prefix-hit tail: longer than ROWS_AS_DECODE, a short step in all
+    ([1, 17, 2], [40, 3, 50]),
+])
+def test_short_query_rows_attend_like_the_prefill_op(q_lens, starts, monkeypatch):
     gen = torch.Generator().manual_seed(len(q_lens))
-    step = verify_step(q_lens, starts=[37, 3, 50, 20][: len(q_lens)])
+    step = verify_step(q_lens, starts=starts)
     runner = StageRunner(model=None, device=torch.device("cpu"))
     _, _, rows = runner.tensors(step)
     assert rows.decode_only and rows.context_lens.shape[0] == sum(q_lens)
     monkeypatch.setattr(stage_runner, "ROWS_AS_DECODE", 0)  # the prefill op's metadata
+    monkeypatch.setattr(stage_runner, "SHORT_STEP_ROWS", 0)
     _, _, chunk = runner.tensors(step)
     assert not chunk.decode_only
 
@@ -52,3 +57,22 @@ def test_short_query_rows_attend_like_the_prefill_op(q_lens, monkeypatch):
     # One more token of context per row (a non-causal verify) is not the same attention.
     leaky = backend.decode_attention(q, k_cache, v_cache, rows.context_lens + 1, rows.block_tables, 0.25)
     assert not torch.allclose(leaky, want, atol=1e-3)
+
+
+def test_which_steps_run_as_decode_rows():
+    rows = stage_runner.runs_as_decode_rows
+    assert not rows([]) and not rows([1, 1, 1])  # plain decode: the decode op already
+    assert rows([8] * 64)  # a verify at batch 64: 512 rows, each sequence short
+    assert rows([100]) and rows([60, 60, 1])  # a short step in all
+    assert not rows([129]) and not rows([100, 100])  # a real prefill chunk keeps its tiles
+
+
+def test_decode_graphs_take_a_verify_as_rows():
+    from pdflow.worker.stage import MAX_GRAPH_ROWS, decode_graph_rows
+
+    assert decode_graph_rows(256, 0, 2048) == 256  # no drafts: one row per sequence
+    assert decode_graph_rows(1, 7, 2048) == 8  # batch 1 verifies [anchor, 7 drafts]
+    assert decode_graph_rows(64, 7, 2048) == 512
+    assert decode_graph_rows(256, 7, 2048) == MAX_GRAPH_ROWS  # larger verifies run eagerly
+    assert decode_graph_rows(16, 7, 64) == 64  # never past the step's token budget
+    assert decode_graph_rows(600, 7, 8192) == 600  # nor below one row per sequence

@@ -31,6 +31,19 @@ from pdflow.worker.stage_runner import StageRunner
 
 # Tokens of the start-up prefill: enough to take the kernels' prefill paths.
 WARM_UP_TOKENS = 512
+# Rows the decode graphs capture at most when steps verify drafts (one decode row per
+# token, stage_runner.ROWS_AS_DECODE): a batch of 64 at k=7; larger verifies run eagerly.
+MAX_GRAPH_ROWS = 512
+
+
+def decode_graph_rows(max_num_seqs: int, lookahead: int, max_num_batched_tokens: int) -> int:
+    """Rows the decode graphs must take: one per sequence, or k+1 per sequence on a side
+    that verifies k drafts a step (its verify runs as decode rows), capped by the step's
+    token budget and MAX_GRAPH_ROWS (never below one row per sequence)."""
+    if not lookahead:
+        return max_num_seqs
+    rows = min(max_num_seqs * (lookahead + 1), max_num_batched_tokens, MAX_GRAPH_ROWS)
+    return max(rows, max_num_seqs)
 
 
 def rank_device(par: ParallelSpec, me: RankPlan) -> torch.device:
@@ -213,8 +226,9 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
     graphs = None
     if not par.enforce_eager and graphs_supported(model, device):
         width = -(-served_max_model_len(graph, role, cfg) // par.block_size)
+        rows = decode_graph_rows(par.max_num_seqs, draft_lookahead(graph, role), par.max_num_batched_tokens)
         graphs = DecodeGraphRunner(
-            runner, max_batch=par.max_num_seqs, block_table_width=width,
+            runner, max_batch=rows, block_table_width=width,
             hidden_size=hidden_in, relayed_in=relayed_in, dtype=dtype,
         )
     pool_tokens = graph.budgets[role].pool_blocks * par.block_size

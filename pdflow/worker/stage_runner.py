@@ -16,8 +16,19 @@ from pdflow.model.decoder import CausalLM
 from pdflow.parallel.messages import StepInput, StepOutput
 from pdflow.worker.sampler import Sampler, make_generator
 
-# Steps whose every sequence brings at most this many new tokens run as decode rows.
+# Steps whose every sequence brings at most this many new tokens run as decode rows,
 ROWS_AS_DECODE = 16
+# and so do steps of at most this many new tokens in all (a prefix-hit tail, a short
+# prompt): the prefill grid gives such a step one or two query tiles per (sequence, KV
+# head), each walking the whole context alone (4 ms a layer for a 28-token tail over
+# 1.7K tokens of the fp32 tiny model on the H200), while decode rows split the context.
+SHORT_STEP_ROWS = 128
+
+
+def runs_as_decode_rows(q_lens: list[int]) -> bool:
+    """Whether a step with these new tokens per sequence runs as one decode row per token."""
+    longest = max(q_lens, default=0)
+    return longest > 1 and (longest <= ROWS_AS_DECODE or sum(q_lens) <= SHORT_STEP_ROWS)
 
 
 class StageRunner:
@@ -36,7 +47,7 @@ class StageRunner:
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         q_lens = [b - a for a, b in itertools.pairwise(step.cu_seqlens_q)]
         longest = max(q_lens, default=0)
-        if 1 < longest <= ROWS_AS_DECODE:
+        if runs_as_decode_rows(q_lens):
             meta = self._rows_as_decode(step, q_lens)
         else:
             meta = AttentionMetadata(
@@ -51,7 +62,7 @@ class StageRunner:
         return ids, self._tensor(step.positions, torch.int64), meta
 
     def _rows_as_decode(self, step: StepInput, q_lens: list[int]) -> AttentionMetadata:
-        """A step of short queries (a verify of [anchor, k drafts], a tiny chunk) as one
+        """A step of short queries (a verify of [anchor, k drafts], a short chunk) as one
         decode row per new token: row i of a sequence attends to its own causal prefix of
         the same blocks (context ``start + i + 1``). Exact causal attention, served by the
         decode kernel (split over the context; and a captured decode graph when the rows
