@@ -66,14 +66,45 @@ def test_pd_greedy_equals_one_process(shipped_reference, layout):
     assert _tokens(LAYOUTS[layout], _prompts()) == shipped_reference
 
 
-def test_pd_pp2_to_tp2_with_prefix_cache_hits_on_the_producer(shipped_reference):
-    prompts = _prompts()
+@pytest.fixture(scope="module")
+def pp2_to_tp2():
     with Deployment(compose([*SMALL, "prefill=pp2", "decode=tp2"])) as d:
-        first = [o.token_ids for o in d.generate(prompts, GREEDY)]
-        again = [o.token_ids for o in d.generate(prompts, GREEDY)]  # the producer's blocks are cached now
-        assert d.producer.blocks.hit_tokens >= 64 + 64  # two full blocks of each long prompt
-        assert all(free == total for free, total in _pools(d))
+        yield d
+
+
+def test_pd_pp2_to_tp2_with_prefix_cache_hits_on_the_producer(shipped_reference, pp2_to_tp2):
+    d, prompts = pp2_to_tp2, _prompts()
+    first = [o.token_ids for o in d.generate(prompts, GREEDY)]
+    again = [o.token_ids for o in d.generate(prompts, GREEDY)]  # the producer's blocks are cached now
+    assert d.producer.blocks.hit_tokens >= 64 + 64  # two full blocks of each long prompt
+    assert all(free == total for free, total in _pools(d))
     assert first == again == shipped_reference
+
+
+def test_a_decode_step_computes_while_the_owner_waits_for_a_prefill_step(pp2_to_tp2, monkeypatch):
+    """Both instances run one process per rank here, so ``submit`` only hands a step to the
+    ranks. Driven one after the other, the owner would wait for the producer's step with
+    no consumer step in flight (decode held behind prefill); the deployment must instead
+    collect a producer step while a consumer step is still in flight."""
+    d, calls = pp2_to_tp2, []
+    for role, engine in (("prefill", d.producer), ("decode", d.consumer)):
+        for name in ("submit", "collect"):
+            real = getattr(engine.executor, name)
+
+            def logged(*args, _real=real, _call=(role, name)):
+                calls.append(_call)  # when called, before the executor runs or waits
+                return _real(*args)
+
+            monkeypatch.setattr(engine.executor, name, logged)
+    # The 5-token prompt decodes on the consumer while the producer prefills the longer ones.
+    assert [o.token_ids for o in d.generate(_prompts(seed=3), GREEDY)] == _tokens(ONE_PROCESS, _prompts(seed=3))
+    in_flight, overlapped = {"prefill": 0, "decode": 0}, 0
+    for role, name in calls:
+        if name == "collect" and role == "prefill" and in_flight["decode"] > 0:
+            overlapped += 1
+        in_flight[role] += 1 if name == "submit" else -1
+    assert overlapped > 0, calls
+    assert in_flight == {"prefill": 0, "decode": 0} and all(free == total for free, total in _pools(d))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -114,10 +114,22 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
+        """One turn of the loop for a caller that drives this instance alone: submit, then
+        collect. One TokenOutput per new token."""
+        self.submit()
+        return self.collect()
+
+    def submit(self) -> bool:
         """Schedule and submit steps until the runner's pipeline is full (one step per PP
-        stage; one without PP), then collect the oldest and sample from it: one
-        TokenOutput per new token."""
+        stage; one without PP). With one process per rank this returns once the ranks have
+        the step, so a caller driving two instances (P/D in one process) has both compute
+        at once; the in-process executor runs the step here. True when a step is in flight."""
         self._fill_pipeline()
+        return bool(self._in_flight)
+
+    def collect(self) -> list[TokenOutput]:
+        """Wait for the oldest step in flight and sample from it: one TokenOutput per new
+        token (none when nothing is in flight)."""
         if not self._in_flight:
             return []
         batch, sampled = self._in_flight.popleft()

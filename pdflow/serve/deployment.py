@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import secrets
 from collections import deque
@@ -120,13 +121,19 @@ class Deployment(EngineFacts):
         yield from self.run()
 
     def run(self) -> Iterator[TokenOutput]:
-        """Step both instances until every submitted request has finished."""
+        """Step both instances until every submitted request has finished. Each turn
+        submits the producer's step and the consumer's before collecting either, so a
+        decode step computes while a prefill step does, not after it."""
         while self._busy():
             yield from self._admit()
-            if self._up(PRODUCER) and self.producer.has_unfinished():
-                yield from self._guarded(PRODUCER, self._step_producer)
-            if self._up(CONSUMER) and self.consumer.has_unfinished():
-                yield from self._guarded(CONSUMER, self._step_consumer)
+            stepping = [role for role in (PRODUCER, CONSUMER)
+                        if self._up(role) and self._engine_of(role).has_unfinished()]
+            for role in stepping:
+                yield from self._guarded(role, functools.partial(self._submit, role))
+            for role in stepping:
+                if self._up(role):  # not lost while submitting, nor by the producer's probe
+                    yield from self._guarded(role, self._collect_producer if role == PRODUCER
+                                             else self._collect_consumer)
 
     def abort(self, request_id: str) -> bool:
         """End a request now. One whose prompt KV may be in flight to the consumer ends
@@ -152,7 +159,7 @@ class Deployment(EngineFacts):
     # -- internals ----------------------------------------------------------------------
 
     def _up(self, role: str) -> bool:
-        engine = self.producer if role == PRODUCER else self.consumer
+        engine = self._engine_of(role)
         return engine is not None and self.lost[role] is None
 
     def _busy(self) -> bool:
@@ -181,8 +188,17 @@ class Deployment(EngineFacts):
                 alone.add_request(req.prompt, req.sampling, req.request_id)
             self._queue.popleft()
 
-    def _step_producer(self) -> Iterator[TokenOutput]:
-        for out in self.producer.step():
+    def _engine_of(self, role: str) -> LLMEngine | None:
+        return self.producer if role == PRODUCER else self.consumer
+
+    def _submit(self, role: str) -> list[TokenOutput]:
+        self._engine_of(role).submit()
+        return []
+
+    def _collect_producer(self) -> Iterator[TokenOutput]:
+        """The producer's oldest step; each prompt whose KV landed goes on decoding on the
+        consumer (its first token is the producer's)."""
+        for out in self.producer.collect():
             if out.request_id in self.producer.export_results and not self._up(CONSUMER):
                 self.producer.export_results.pop(out.request_id)
                 continue  # its consumer is lost: the request has already ended in an error
@@ -206,15 +222,16 @@ class Deployment(EngineFacts):
             else:
                 yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id, out.logprob))
 
-    def _step_consumer(self) -> list[TokenOutput]:
-        return [self._record(out) for out in self.consumer.step()]
+    def _collect_consumer(self) -> list[TokenOutput]:
+        return [self._record(out) for out in self.consumer.collect()]
 
     def _probe_consumer(self) -> list[TokenOutput]:
         self.consumer.executor.check()
         return []
 
     def _guarded(self, role: str, step) -> Iterator[TokenOutput]:
-        """Run one instance's step; if the instance dies, end its requests with an error."""
+        """Run one instance's submit or collect; if the instance dies, end its requests
+        with an error."""
         try:
             outputs = list(step())  # ran to the end, recorded, before any is yielded
         except Exception as err:  # a lost rank (RankFailed), a lost device, ...
@@ -224,7 +241,7 @@ class Deployment(EngineFacts):
         yield from outputs
 
     def _lose(self, role: str) -> Iterator[TokenOutput]:
-        engine = self.producer if role == PRODUCER else self.consumer
+        engine = self._engine_of(role)
         why = f"the {role} instance was lost ({self.lost[role]})"
         owned = {s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
         owned |= set(engine.awaiting_kv)
