@@ -17,8 +17,9 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-BASE = ["transfer=nccl", "prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=0.2",
-        "decode.device_memory_gib=0.2", "prefill.device_offset=0", "drafter=dspark"]
+BASE = ["transfer=nccl", "prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
+        "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
+        "drafter=dspark"]
 
 
 def _prompts():
