@@ -204,7 +204,7 @@ class P2PPeer:
         base = chunk[0].offset
         if self.table is not None:
             table = chunk_table(self._entries, base, base + _size(chunk), out.data_ptr(), into_buffer=True)
-            copy_runs(table.to(self.device, non_blocking=True), self.table.max_words)
+            copy_runs(table.pin_memory().to(self.device, non_blocking=True), self.table.max_words)
             return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],
@@ -330,7 +330,7 @@ class _Session:
                 base = chunk[0].offset
                 if entries is not None:  # one kernel over the chunk's runs
                     table = chunk_table(entries, base, base + _size(chunk), data.data_ptr(), into_buffer=False)
-                    copy_runs(table.to(data.device, non_blocking=True), self.table.max_words)
+                    copy_runs(table.pin_memory().to(data.device, non_blocking=True), self.table.max_words)
                     return ""
                 for p in chunk:
                     unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
