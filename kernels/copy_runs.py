@@ -36,7 +36,12 @@ def copy_runs(table: torch.Tensor, max_words: int) -> None:
     if table.numel() == 0:
         return
     block = min(2048, triton.next_power_of_2(max(max_words, 16)))
-    _copy_runs_kernel[(table.shape[0], triton.cdiv(max_words, block))](table, BLOCK=block)
+    grid = (table.shape[0], triton.cdiv(max_words, block))
+    if not table.is_cuda:  # the interpreter, on CPU tensors
+        _copy_runs_kernel[grid](table, BLOCK=block)
+        return
+    with torch.cuda.device(table.device):  # Triton launches on the current device
+        _copy_runs_kernel[grid](table, BLOCK=block)
 
 
 def copy_runs_reference(table: torch.Tensor) -> None:

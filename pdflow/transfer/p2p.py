@@ -28,8 +28,10 @@ import datetime
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -51,6 +53,29 @@ from pdflow.transfer.p2p_messages import (
 )
 from pdflow.transfer.packing import Piece, pack_piece, pieces, unpack_piece
 from pdflow.transfer.run_table import RunTable, chunk_table
+
+TRACE = os.environ.get("PDFLOW_P2P_TRACE") == "1"  # per-phase times of each request, on stderr
+
+
+class _Phases:
+    """Where a request's time goes (tracing only: it synchronizes the device per phase)."""
+
+    def __init__(self, who: str, device: torch.device):
+        self.who, self.device, self.times = who, device, {}
+        self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not TRACE:
+            return
+        _synchronize(self.device)
+        now = time.perf_counter()
+        self.times[phase] = self.times.get(phase, 0.0) + (now - self.t) * 1e3
+        self.t = now
+
+    def report(self) -> None:
+        if TRACE:
+            print(f"p2p {self.who}: " + " ".join(f"{k}={v:.2f}ms" for k, v in self.times.items()),
+                  file=sys.stderr, flush=True)
 
 
 def device_identity(device: torch.device) -> str:
@@ -179,16 +204,20 @@ class P2PPeer:
         if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
             raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
                                 f"{len(dst_blocks)} consumer blocks")
+        phases = _Phases(f"send {self.mover}", self.device)
         self._entries = self.table.entries(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        phases.mark("entries")
         if self.group is None:  # ipc: pack into the consumer's own buffer, a chunk at a time
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
             for i, chunk in enumerate(parts):
                 self._pack(chunk, self.buf, src_blocks)
                 _synchronize(self.device)
+                phases.mark("pack")
                 self.conn.send(P2PChunk(index=i, nbytes=_size(chunk)))
                 if i + 1 < len(parts):
                     self._ack(i)
+                    phases.mark("ack")
         else:  # two halves: pack chunk i+1 while chunk i is on the wire
             half = self.buffer_bytes // 2
             parts = chunks(self.plan, len(src_blocks), half)
@@ -196,9 +225,14 @@ class P2PPeer:
                 slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
                 if self._sending[i % 2] is not None:
                     self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
+                phases.mark("wait")
                 self._pack(chunk, slot, src_blocks)
+                phases.mark("pack")
                 self._sending[i % 2] = self.group.send([slot[:_size(chunk)]], 0, 0)
+                phases.mark("send")
         self._ack(max(len(parts) - 1, 0))
+        phases.mark("ack")
+        phases.report()
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
         base = chunk[0].offset
@@ -358,14 +392,18 @@ class _Session:
             def post(i: int) -> None:
                 pending[i] = group.recv([slots[i % 2][:_size(parts[i])]], 1, 0)
 
+            phases = _Phases("recv", self.listener.device)
             if parts:
                 post(0)
             for i, chunk in enumerate(parts):
                 if i + 1 < len(parts):
                     post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
                 pending.pop(i).wait()
+                phases.mark("recv")
                 error = scatter(chunk, slots[i % 2])
+                phases.mark("scatter")
             _synchronize(self.listener.device)
+            phases.report()
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
         if not error:
             self.listener.landed += 1
