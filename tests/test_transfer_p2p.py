@@ -20,6 +20,7 @@ from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, chunks
 from pdflow.transfer.packing import packed_nbytes
 
 one_torch_thread = transfer_kit.one_torch_thread
+transports = transfer_kit.transports  # pooled Mooncake engines
 NUM_BLOCKS = 6
 REQUESTS = {"a": ([4, 0, 3], [1, 5, 2]), "b": ([1, 2], [0, 3])}
 BASE = ["transfer=nccl", "transfer.timeout_s=10", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
@@ -28,16 +29,24 @@ BASE = ["transfer=nccl", "transfer.timeout_s=10", "prefill.kv_page_tokens=16", "
 
 class Pairs:
     """Every producer rank paired with every consumer rank its cut plans name, in one
-    process: listeners on loopback, Gloo groups over a FileStore, the real protocol."""
+    process: listeners on loopback and the real protocol, bytes over Gloo groups (a
+    FileStore rendezvous) or, with ``make_transport``, written by one Mooncake engine per
+    rank into the consumer's registered staging."""
 
-    def __init__(self, graph, *, buffer_bytes: int | None = None):
+    def __init__(self, graph, *, buffer_bytes: int | None = None, make_transport=None):
         self.graph = graph
         self.producer_caches = producer_caches_of(graph, NUM_BLOCKS)
         self.consumer_caches = {r.rank: caches_for(r.units, NUM_BLOCKS, fill="poison")
                                 for r in graph.consumer.ranks}
         spec = graph.spec.transfer
-        self.listeners = {c: P2PListener(graph=graph, rank=c, caches=caches, spec=spec, buffer_bytes=buffer_bytes)
+
+        def engine():
+            return make_transport(spec) if make_transport else None
+
+        self.listeners = {c: P2PListener(graph=graph, rank=c, caches=caches, spec=spec, buffer_bytes=buffer_bytes,
+                                         transport=engine())
                           for c, caches in self.consumer_caches.items()}
+        producer_engines = {r.rank: engine() for r in graph.producer.ranks}
         self.peers = {}
         for cut in graph.cuts:
             caches = self.producer_caches[cut.producer_rank]
@@ -46,7 +55,7 @@ class Pairs:
             self.peers[cut.producer_rank, cut.consumer_rank] = P2PPeer(
                 address=self.listeners[cut.consumer_rank].address, consumer_device="cpu", plan=plan, caches=caches,
                 dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
-                producer_rank=cut.producer_rank, spec=spec)
+                producer_rank=cut.producer_rank, spec=spec, transport=producer_engines[cut.producer_rank])
 
     def move(self, requests=REQUESTS) -> None:
         for src, dst in requests.values():
@@ -89,6 +98,27 @@ def test_a_request_larger_than_the_receive_buffer_moves_in_chunks(pairs_of, grap
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=dspark", buffer_bytes=buffer_bytes)
     pairs.move()
     assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+
+
+@transfer_kit.needs_mooncake
+def test_mooncake_staging_lands_every_head_in_chunks(graph_of, transports):
+    """transfer=mooncake_tcp (staging): packed runs written into the consumer's registered
+    host staging by Mooncake, then scattered: the path GPU caches take through a TCP-only
+    cluster (there with a device-to-host copy before the write and host-to-device after)."""
+    graph = graph_of("transfer=mooncake_tcp", "transfer.timeout_s=10", "prefill.kv_page_tokens=16",
+                     "decode.kv_page_tokens=16", "prefill.block_size=32", "decode.block_size=32",
+                     "prefill=pp2", "decode=tp2", "drafter=dspark")
+    per_block = packed_nbytes(graph.cuts[0], 1)
+    pairs = Pairs(graph, buffer_bytes=2 * per_block, make_transport=transports)
+    try:
+        assert {p.mover for p in pairs.peers.values()} == {"mooncake"}
+        pairs.move()
+        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+        peer = next(iter(pairs.peers.values()))
+        with pytest.raises(TransferError, match="outside the pool"):
+            peer.send([0], [NUM_BLOCKS])
+    finally:
+        pairs.close()
 
 
 def test_the_page_ignorant_cut_is_caught(pairs_of):

@@ -5,20 +5,25 @@ table built for the wrong blocks is caught."""
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 import torch
-from pdflow.kernels.interpreter import use_interpreter_if_no_cuda
-from transfer_kit import caches_for, producer_caches_of
 
-from pdflow.graph import CONSUMER
-
-use_interpreter_if_no_cuda()
+if not torch.cuda.is_available():  # must precede the kernel's decoration
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pdflow.kernels.copy_runs as copy_runs_mod  # noqa: E402
+from transfer_kit import caches_for, producer_caches_of  # noqa: E402
 
+from pdflow.graph import CONSUMER  # noqa: E402
 from pdflow.transfer.p2p import bound_plan, chunks  # noqa: E402
 from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
 from pdflow.transfer.run_table import RunTable, chunk_table  # noqa: E402
+
+if not torch.cuda.is_available():  # imported earlier by another module, compiled for a GPU
+    copy_runs_mod = importlib.reload(copy_runs_mod)
 
 SRC, DST = [4, 0, 3], [1, 5, 2]
 OVERRIDES = ["transfer=nccl", "prefill=pp2", "decode=tp2", "drafter=dspark", "prefill.block_size=32",

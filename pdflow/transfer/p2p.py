@@ -41,7 +41,9 @@ import torch.distributed as dist
 from pdflow.graph import PRODUCER, CutPlan, RunGraph
 from pdflow.kernels.copy_runs import copy_runs
 from pdflow.spec.transfer import TransferSpec
+from pdflow.transfer.descriptors import Descriptors
 from pdflow.transfer.errors import TransferError
+from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import (
     CudaIpcHandle,
     FramedSocket,
@@ -85,7 +87,9 @@ def device_identity(device: torch.device) -> str:
     return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
 
 
-def choose_mover(producer: str, consumer: str) -> str:
+def choose_mover(producer: str, consumer: str, backend: str = "nccl") -> str:
+    if backend == "mooncake":
+        return "mooncake"  # through host staging, whatever the caches: Mooncake here moves host memory
     if producer == "cpu" and consumer == "cpu":
         return "gloo"
     if "cpu" in (producer, consumer):
@@ -145,6 +149,11 @@ def _map(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
+def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host staging for a Mooncake pair: pinned when the caches are on a GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
 def _stream(device: torch.device):
     return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -158,10 +167,13 @@ class P2PPeer:
     """A producer rank's pair with one consumer rank."""
 
     def __init__(self, *, address: str, consumer_device: str, plan: CutPlan, caches: Mapping[str, torch.Tensor],
-                 dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec):
+                 dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec,
+                 transport: MooncakeTransport | None = None):
         self.plan, self.caches, self.dst_block_bytes = plan, caches, dst_block_bytes
         self.device = next(iter(caches.values())).device
-        self.mover = choose_mover(device_identity(self.device), consumer_device)
+        self.transport = transport
+        self.mover = choose_mover(device_identity(self.device), consumer_device,
+                                  "mooncake" if transport is not None else "nccl")
         self.timeout_s = spec.timeout_s
         host, port = address.rsplit(":", 1)
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
@@ -177,6 +189,13 @@ class P2PPeer:
         self.buffer_bytes = ready.buffer_bytes
         if self.mover == "ipc":
             self.buf, self.group = _map(ready.ipc, self.device), None
+        elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
+            self.host = _host_buffer(self.buffer_bytes, self.device)
+            self.host_base = transport.register(self.host)
+            self.remote = (ready.session, ready.base)
+            self.group = None
+            self.buf = self.host if self.device.type != "cuda" else torch.empty(
+                self.buffer_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.group = _pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
@@ -208,12 +227,15 @@ class P2PPeer:
         self._entries = self.table.entries(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
         phases.mark("entries")
-        if self.group is None:  # ipc: pack into the consumer's own buffer, a chunk at a time
+        if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
             for i, chunk in enumerate(parts):
                 self._pack(chunk, self.buf, src_blocks)
                 _synchronize(self.device)
                 phases.mark("pack")
+                if self.mover == "mooncake":
+                    self._write(_size(chunk))
+                    phases.mark("write")
                 self.conn.send(P2PChunk(index=i, nbytes=_size(chunk)))
                 if i + 1 < len(parts):
                     self._ack(i)
@@ -233,6 +255,12 @@ class P2PPeer:
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
         phases.report()
+
+    def _write(self, nbytes: int) -> None:
+        if self.buf is not self.host:
+            self.host[:nbytes].copy_(self.buf[:nbytes])  # device to host, synchronous
+        session, base = self.remote
+        self.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
         base = chunk[0].offset
@@ -260,8 +288,9 @@ class P2PListener:
     """A consumer rank's end: accepts producer ranks and scatters what they send."""
 
     def __init__(self, *, graph: RunGraph, rank: int, caches: Mapping[str, torch.Tensor], spec: TransferSpec,
-                 buffer_bytes: int | None = None):
+                 buffer_bytes: int | None = None, transport: MooncakeTransport | None = None):
         self.graph, self.rank, self.caches, self.spec = graph, rank, dict(caches), spec
+        self.transport = transport  # producers write into this rank's host staging through it
         self.buffer_bytes = buffer_bytes or spec.staging_mib << 20  # per producer rank paired
         self.device = next(iter(caches.values())).device
         self.identity = device_identity(self.device)
@@ -298,6 +327,7 @@ class _Session:
     def __init__(self, listener: P2PListener, conn: FramedSocket):
         self.listener, self.conn = listener, conn
         self.table: RunTable | None = None
+        self.host: torch.Tensor | None = None  # mooncake: the registered host staging
 
     def serve(self) -> None:
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
@@ -324,7 +354,8 @@ class _Session:
         else:
             plan = bound_plan(cut, set(hello.units))
             missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
-            expected = "gloo" if lis.identity == "cpu" else ("nccl", "ipc")
+            expected = ("mooncake",) if lis.transport is not None else (
+                ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc"))
             if missing:
                 refused = f"consumer rank {lis.rank} has no caches for {missing}"
             elif hello.mover not in expected:
@@ -333,11 +364,19 @@ class _Session:
             self.conn.send(P2PReady(refused=refused))
             return None
         buffer_bytes = lis.buffer_bytes
-        buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
-        if hello.mover == "ipc":
+        if hello.mover == "mooncake":  # bytes land in host staging; scattered from there (or its copy)
+            self.host = _host_buffer(buffer_bytes, lis.device)
+            base = lis.transport.register(self.host)
+            self.conn.send(P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base))
+            buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
+                                                                          device=lis.device)
+            group = None
+        elif hello.mover == "ipc":
+            buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
             self.conn.send(P2PReady(buffer_bytes=buffer_bytes, ipc=_share(buf)))
             group = None
         else:
+            buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
             path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")
             self.conn.send(P2PReady(buffer_bytes=buffer_bytes, store_path=path))
             if lis.device.type == "cuda":
@@ -373,12 +412,14 @@ class _Session:
             except Exception as err:  # the request fails, the pair serves on
                 return f"{type(err).__name__}: {err}"
 
-        if group is None:  # ipc: the producer packed into ``buf``; ack each chunk
+        if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
             parts = chunks(plan, len(blocks), buf.numel())
             for i, chunk in enumerate(parts):
                 note = self.conn.recv()
                 if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != _size(chunk):
                     raise ConnectionError(f"expected chunk {i} of {_size(chunk)} bytes, got {note}")
+                if self.host is not None and self.host is not buf:
+                    buf[:note.nbytes].copy_(self.host[:note.nbytes], non_blocking=True)  # host to device
                 error = scatter(chunk, buf)
                 _synchronize(self.listener.device)
                 if i + 1 < len(parts):

@@ -19,7 +19,8 @@ import msgspec
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 MAX_FRAME = 1 << 24  # control messages only (a request's block list is the largest)
 
-MOVERS = ("gloo", "nccl", "ipc")  # CPU caches; two GPUs; one GPU shared by both ranks
+# CPU caches; two GPUs; one GPU shared by both ranks; host staging written by Mooncake.
+MOVERS = ("gloo", "nccl", "ipc", "mooncake")
 
 
 class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
@@ -44,12 +45,15 @@ class CudaIpcHandle(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
-    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, the
-    rendezvous file of the pair's process group, or the buffer itself to map (``ipc``)."""
+    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, and
+    how to reach it: the rendezvous file of the pair's process group, the buffer itself to
+    map (``ipc``), or its registered address in the consumer's Mooncake engine."""
 
     buffer_bytes: NonNegative = 0
     store_path: str = ""
     ipc: CudaIpcHandle | None = None
+    session: str = ""  # mooncake: the consumer's transfer engine and its registered buffer
+    base: NonNegative = 0
     refused: str = ""
 
 

@@ -69,12 +69,18 @@ class KVLink:
         self.graph, self.role, self.rank = graph, role, rank
         self.units = {u.name: u for u in graph.rank(role, rank).units if u.name in caches}
         self.caches = {name: caches[name] for name in self.units}
-        self.p2p = graph.spec.transfer.backend == "nccl"
+        spec = graph.spec.transfer
+        # Two-sided pairs (transfer.p2p): NCCL/IPC/Gloo, or Mooncake through packed host
+        # staging (transfer.staging); else Mooncake writes every cut run in place.
+        self.p2p = spec.backend == "nccl" or spec.staging
         self.transport = self.listener = None
         if self.p2p:
+            if spec.backend == "mooncake":
+                self.transport = MooncakeTransport(spec)
             self.regions = {name: _local_region(unit, caches[name]) for name, unit in self.units.items()}
             if role == CONSUMER and self.caches:
-                self.listener = P2PListener(graph=graph, rank=rank, caches=self.caches, spec=graph.spec.transfer)
+                self.listener = P2PListener(graph=graph, rank=rank, caches=self.caches, spec=spec,
+                                            transport=self.transport)
         else:
             self.transport = MooncakeTransport(graph.spec.transfer)
             self.regions = {name: self.transport.register_unit(unit, caches[name])
@@ -84,8 +90,10 @@ class KVLink:
         self.p2p_peers: dict[int, P2PPeer] = {}
 
     def endpoint(self) -> KVEndpoint:
-        session = self.transport.session_id if self.transport is not None else (
-            self.listener.address if self.listener is not None else "")
+        if self.p2p:
+            session = self.listener.address if self.listener is not None else ""
+        else:
+            session = self.transport.session_id
         device = device_identity(next(iter(self.caches.values())).device) if self.caches else ""
         return KVEndpoint(rank=self.rank, session_id=session, device=device,
                           units=[_address(self.units[n], r) for n, r in self.regions.items()])
@@ -116,7 +124,7 @@ class KVLink:
                     p2p_peers[cut.consumer_rank] = P2PPeer(
                         address=endpoint.session_id, consumer_device=endpoint.device, plan=cut, caches=self.caches,
                         dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
-                        producer_rank=self.rank, spec=self.graph.spec.transfer)
+                        producer_rank=self.rank, spec=self.graph.spec.transfer, transport=self.transport)
                 continue
             regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
                                           chunk_blocks=u.chunk_blocks) for u in endpoint.units}
