@@ -1,42 +1,38 @@
-"""Two-sided KV transfer between the ranks of one host (``transfer=nccl``).
+"""Two-sided KV transfer pairs: ``transfer.staging`` (Mooncake) and ``transfer=nccl``.
 
-Mooncake writes one-sided into registered memory; here the consumer takes part, as in
-vLLM's P2P NCCL connector. One pair per (producer rank, consumer rank) that a cut plan
-joins: the consumer rank listens on a socket (typed control messages,
-``p2p_messages``); at pairing the producer says which source units it sends and how
-bytes will move, chosen from where the two caches live:
+Mooncake's direct path writes one-sided into registered caches; here the consumer takes
+part, as in vLLM's P2P NCCL connector. One pair per (producer rank, consumer rank) that a
+cut plan joins: the consumer rank listens on a socket (typed control messages,
+``p2p_messages``); at pairing the producer says which source units it sends and how bytes
+will move (``p2p_parts.choose_mover``):
 
-- ``nccl``: two GPUs. NCCL send/recv in a two-rank process group made for the pair
-  (a ``FileStore`` rendezvous: one host).
+- ``mooncake``: one Mooncake write per chunk into the consumer's registered host staging
+  (GPU caches pack on the device and go through pinned host memory both ways); any host.
+- ``nccl``: two GPUs of one host. NCCL send/recv in a two-rank process group made for the
+  pair (a ``FileStore`` rendezvous).
 - ``ipc``: one GPU shared by both ranks (NCCL refuses two ranks on one device). The
-  consumer's receive buffer is mapped into the producer through CUDA IPC, so the
-  producer packs straight into it.
-- ``gloo``: CPU caches, Gloo send/recv on loopback (what the tests on a laptop run).
+  consumer's receive buffer is mapped into the producer through CUDA IPC.
+- ``gloo``: ``transfer=nccl`` with CPU caches (what the tests on a laptop run).
 
-Per request the producer packs the runs its cut plan names for that consumer rank into
-a buffer (``packing``: the packed order is the direct path's, so both leave identical
-caches), moves it in chunks of the consumer's receive buffer, and waits, per chunk, for
-the consumer's ack after it scattered the bytes into its caches: when ``send`` returns
-the KV is in place, as after a one-sided write, and the engine's path does not change.
+Per request the producer packs the runs its cut plan names for that consumer rank
+(``packing``'s order, so every path leaves identical caches; on a GPU one ``copy_runs``
+launch per chunk), moves them in chunks of the consumer's receive buffer, and waits for the
+consumer's ack after it scattered the bytes into its caches: when ``send`` returns the KV
+is in place, as after a one-sided write, and the engine's path does not change.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from pdflow.graph import PRODUCER, CutPlan, RunGraph
 from pdflow.kernels.copy_runs import copy_runs
@@ -44,123 +40,26 @@ from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.descriptors import Descriptors
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.mooncake_engine import MooncakeTransport
-from pdflow.transfer.p2p_messages import (
-    CudaIpcHandle,
-    FramedSocket,
-    P2PAck,
-    P2PChunk,
-    P2PHello,
-    P2PReady,
-    P2PRequest,
+from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
+from pdflow.transfer.p2p_parts import (
+    Phases,
+    bad_blocks,
+    bound_plan,
+    choose_mover,
+    chunks,
+    device_identity,
+    host_buffer,
+    map_ipc,
+    pair_group,
+    share_ipc,
+    side_stream,
+    size_of,
+    synchronize,
 )
-from pdflow.transfer.packing import Piece, pack_piece, pieces, unpack_piece
+from pdflow.transfer.packing import Piece, pack_piece, unpack_piece
 from pdflow.transfer.run_table import RunTable, chunk_table
 
-TRACE = os.environ.get("PDFLOW_P2P_TRACE") == "1"  # per-phase times of each request, on stderr
-
-
-class _Phases:
-    """Where a request's time goes (tracing only: it synchronizes the device per phase)."""
-
-    def __init__(self, who: str, device: torch.device):
-        self.who, self.device, self.times = who, device, {}
-        self.t = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        if not TRACE:
-            return
-        _synchronize(self.device)
-        now = time.perf_counter()
-        self.times[phase] = self.times.get(phase, 0.0) + (now - self.t) * 1e3
-        self.t = now
-
-    def report(self) -> None:
-        if TRACE:
-            print(f"p2p {self.who}: " + " ".join(f"{k}={v:.2f}ms" for k, v in self.times.items()),
-                  file=sys.stderr, flush=True)
-
-
-def device_identity(device: torch.device) -> str:
-    """``cpu``, or the GPU's UUID (the same physical GPU under any device numbering)."""
-    if device.type != "cuda":
-        return "cpu"
-    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
-
-
-def choose_mover(producer: str, consumer: str, backend: str = "nccl") -> str:
-    if backend == "mooncake":
-        return "mooncake"  # through host staging, whatever the caches: Mooncake here moves host memory
-    if producer == "cpu" and consumer == "cpu":
-        return "gloo"
-    if "cpu" in (producer, consumer):
-        raise TransferError(f"transfer=nccl moves between caches of one kind; producer on {producer}, "
-                            f"consumer on {consumer}")
-    return "ipc" if producer == consumer else "nccl"
-
-
-def bound_plan(cut: CutPlan, sources: set[str]) -> CutPlan:
-    """The part of a cut plan over the source units a producer rank has caches for (a
-    drafter's units join when its stage binds them)."""
-    groups = []
-    for group in cut.groups:
-        units = tuple((s, d) for s, d in group.units if s in sources)
-        if units:
-            groups.append(dataclasses.replace(group, units=units))
-    return dataclasses.replace(cut, groups=tuple(groups))
-
-
-def chunks(plan: CutPlan, num_blocks: int, max_bytes: int) -> list[list[Piece]]:
-    """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``."""
-    out: list[list[Piece]] = []
-    size = 0
-    for piece in pieces(plan, num_blocks, max_bytes):
-        if out and size + piece.nbytes <= max_bytes:
-            out[-1].append(piece)
-            size += piece.nbytes
-        else:
-            out.append([piece])
-            size = piece.nbytes
-    return out
-
-
-def _pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.FileStore(store_path, 2)
-    store.set_timeout(timeout)
-    if mover == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = timeout
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
-
-
-def _share(buf: torch.Tensor) -> CudaIpcHandle:
-    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
-    return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
-                         ref_counter_offset=ref_offset, event_handle=event, event_sync_required=event_sync)
-
-
-def _map(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared_cuda(device.index, h.handle, h.size, h.offset, h.ref_counter_handle,
-                                                    h.ref_counter_offset, h.event_handle, h.event_sync_required)
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host staging for a Mooncake pair: pinned when the caches are on a GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-
-
-def _stream(device: torch.device):
-    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+__all__ = ["P2PListener", "P2PPeer", "bound_plan", "chunks", "device_identity"]
 
 
 class P2PPeer:
@@ -188,9 +87,9 @@ class P2PPeer:
             raise TransferError(f"consumer at {address} refused the pair: {why}")
         self.buffer_bytes = ready.buffer_bytes
         if self.mover == "ipc":
-            self.buf, self.group = _map(ready.ipc, self.device), None
+            self.buf, self.group = map_ipc(ready.ipc, self.device), None
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
-            self.host = _host_buffer(self.buffer_bytes, self.device)
+            self.host = host_buffer(self.buffer_bytes, self.device)
             self.host_base = transport.register(self.host)
             self.remote = (ready.session, ready.base)
             self.group = None
@@ -198,7 +97,7 @@ class P2PPeer:
                 self.buffer_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-            self.group = _pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
+            self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s)
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
@@ -223,7 +122,7 @@ class P2PPeer:
         if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
             raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
                                 f"{len(dst_blocks)} consumer blocks")
-        phases = _Phases(f"send {self.mover}", self.device)
+        phases = Phases(f"send {self.mover}", self.device)
         self._entries = self.table.entries(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
         phases.mark("entries")
@@ -231,12 +130,12 @@ class P2PPeer:
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
             for i, chunk in enumerate(parts):
                 self._pack(chunk, self.buf, src_blocks)
-                _synchronize(self.device)
+                synchronize(self.device)
                 phases.mark("pack")
                 if self.mover == "mooncake":
-                    self._write(_size(chunk))
+                    self._write(size_of(chunk))
                     phases.mark("write")
-                self.conn.send(P2PChunk(index=i, nbytes=_size(chunk)))
+                self.conn.send(P2PChunk(index=i, nbytes=size_of(chunk)))
                 if i + 1 < len(parts):
                     self._ack(i)
                     phases.mark("ack")
@@ -250,7 +149,7 @@ class P2PPeer:
                 phases.mark("wait")
                 self._pack(chunk, slot, src_blocks)
                 phases.mark("pack")
-                self._sending[i % 2] = self.group.send([slot[:_size(chunk)]], 0, 0)
+                self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
                 phases.mark("send")
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
@@ -265,7 +164,7 @@ class P2PPeer:
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
         base = chunk[0].offset
         if self.table is not None:
-            table = chunk_table(self._entries, base, base + _size(chunk), out.data_ptr(), into_buffer=True)
+            table = chunk_table(self._entries, base, base + size_of(chunk), out.data_ptr(), into_buffer=True)
             copy_runs(table.pin_memory().to(self.device, non_blocking=True), self.table.max_words)
             return
         for p in chunk:
@@ -336,7 +235,7 @@ class _Session:
                 device = self.listener.device
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
-                with _stream(device):
+                with side_stream(device):
                     while True:
                         self._serve_request(*setup)
         self.conn.close()
@@ -365,7 +264,7 @@ class _Session:
             return None
         buffer_bytes = lis.buffer_bytes
         if hello.mover == "mooncake":  # bytes land in host staging; scattered from there (or its copy)
-            self.host = _host_buffer(buffer_bytes, lis.device)
+            self.host = host_buffer(buffer_bytes, lis.device)
             base = lis.transport.register(self.host)
             self.conn.send(P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base))
             buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
@@ -373,7 +272,7 @@ class _Session:
             group = None
         elif hello.mover == "ipc":
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
-            self.conn.send(P2PReady(buffer_bytes=buffer_bytes, ipc=_share(buf)))
+            self.conn.send(P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf)))
             group = None
         else:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
@@ -381,7 +280,7 @@ class _Session:
             self.conn.send(P2PReady(buffer_bytes=buffer_bytes, store_path=path))
             if lis.device.type == "cuda":
                 torch.cuda.set_device(lis.device)
-            group = _pair_group(hello.mover, path, 0, lis.spec.timeout_s)
+            group = pair_group(hello.mover, path, 0, lis.spec.timeout_s)
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
         self.table = RunTable(plan, lis.caches, "dst") if lis.device.type == "cuda" else None
         return plan, buf, group, sources
@@ -393,7 +292,7 @@ class _Session:
             raise ConnectionError(f"expected a request, got {type(request).__name__}")
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         blocks = request.dst_blocks
-        error = _bad_blocks(blocks, plan, self.listener.caches)
+        error = bad_blocks(blocks, plan, self.listener.caches)
         entries = self.table.entries(blocks) if self.table is not None and not error else None
 
         def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
@@ -402,7 +301,7 @@ class _Session:
             try:
                 base = chunk[0].offset
                 if entries is not None:  # one kernel over the chunk's runs
-                    table = chunk_table(entries, base, base + _size(chunk), data.data_ptr(), into_buffer=False)
+                    table = chunk_table(entries, base, base + size_of(chunk), data.data_ptr(), into_buffer=False)
                     copy_runs(table.pin_memory().to(data.device, non_blocking=True), self.table.max_words)
                     return ""
                 for p in chunk:
@@ -416,12 +315,12 @@ class _Session:
             parts = chunks(plan, len(blocks), buf.numel())
             for i, chunk in enumerate(parts):
                 note = self.conn.recv()
-                if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != _size(chunk):
-                    raise ConnectionError(f"expected chunk {i} of {_size(chunk)} bytes, got {note}")
+                if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
+                    raise ConnectionError(f"expected chunk {i} of {size_of(chunk)} bytes, got {note}")
                 if self.host is not None and self.host is not buf:
                     buf[:note.nbytes].copy_(self.host[:note.nbytes], non_blocking=True)  # host to device
                 error = scatter(chunk, buf)
-                _synchronize(self.listener.device)
+                synchronize(self.listener.device)
                 if i + 1 < len(parts):
                     self.conn.send(P2PAck(index=i, error=error))
         else:  # two halves: receive chunk i+1 while chunk i is scattered
@@ -431,9 +330,9 @@ class _Session:
             pending = {}
 
             def post(i: int) -> None:
-                pending[i] = group.recv([slots[i % 2][:_size(parts[i])]], 1, 0)
+                pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
 
-            phases = _Phases("recv", self.listener.device)
+            phases = Phases("recv", self.listener.device)
             if parts:
                 post(0)
             for i, chunk in enumerate(parts):
@@ -443,23 +342,10 @@ class _Session:
                 phases.mark("recv")
                 error = scatter(chunk, slots[i % 2])
                 phases.mark("scatter")
-            _synchronize(self.listener.device)
+            synchronize(self.listener.device)
             phases.report()
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
         if not error:
             self.listener.landed += 1
 
 
-def _size(chunk: list[Piece]) -> int:
-    return sum(p.nbytes for p in chunk)
-
-
-def _bad_blocks(blocks: Sequence[int], plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> str:
-    """Why these consumer block ids cannot be written (checked before any byte lands: on a
-    GPU an out-of-range index would take the whole device context down)."""
-    dst = {d for g in plan.groups for _, d in g.units}
-    limit = min((caches[d].shape[0] for d in dst), default=0)
-    if len(set(blocks)) != len(blocks):
-        return f"consumer block ids repeat: {list(blocks)}"
-    out = [b for b in blocks if not 0 <= b < limit]
-    return f"consumer block ids {out} are outside the pool of {limit} blocks" if out else ""

@@ -1,0 +1,141 @@
+"""What both ends of a ``transfer.p2p`` pair share: choosing how bytes move, the pair's
+process group, CUDA IPC handles, the chunks of a request's packed stream, and tracing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pdflow.graph import CutPlan
+from pdflow.transfer.errors import TransferError
+from pdflow.transfer.p2p_messages import CudaIpcHandle
+from pdflow.transfer.packing import Piece, pieces
+
+TRACE = os.environ.get("PDFLOW_P2P_TRACE") == "1"  # per-phase times of each request, on stderr
+
+
+class Phases:
+    """Where a request's time goes (tracing only: it synchronizes the device per phase)."""
+
+    def __init__(self, who: str, device: torch.device):
+        self.who, self.device, self.times = who, device, {}
+        self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not TRACE:
+            return
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.times[phase] = self.times.get(phase, 0.0) + (now - self.t) * 1e3
+        self.t = now
+
+    def report(self) -> None:
+        if TRACE:
+            print(f"p2p {self.who}: " + " ".join(f"{k}={v:.2f}ms" for k, v in self.times.items()),
+                  file=sys.stderr, flush=True)
+
+
+def device_identity(device: torch.device) -> str:
+    """``cpu``, or the GPU's UUID (the same physical GPU under any device numbering)."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def choose_mover(producer: str, consumer: str, backend: str = "nccl") -> str:
+    if backend == "mooncake":
+        return "mooncake"  # through host staging, whatever the caches: Mooncake here moves host memory
+    if producer == "cpu" and consumer == "cpu":
+        return "gloo"
+    if "cpu" in (producer, consumer):
+        raise TransferError(f"transfer=nccl moves between caches of one kind; producer on {producer}, "
+                            f"consumer on {consumer}")
+    return "ipc" if producer == consumer else "nccl"
+
+
+def bound_plan(cut: CutPlan, sources: set[str]) -> CutPlan:
+    """The part of a cut plan over the source units a producer rank has caches for (a
+    drafter's units join when its stage binds them)."""
+    groups = []
+    for group in cut.groups:
+        units = tuple((s, d) for s, d in group.units if s in sources)
+        if units:
+            groups.append(dataclasses.replace(group, units=units))
+    return dataclasses.replace(cut, groups=tuple(groups))
+
+
+def chunks(plan: CutPlan, num_blocks: int, max_bytes: int) -> list[list[Piece]]:
+    """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``."""
+    out: list[list[Piece]] = []
+    size = 0
+    for piece in pieces(plan, num_blocks, max_bytes):
+        if out and size + piece.nbytes <= max_bytes:
+            out[-1].append(piece)
+            size += piece.nbytes
+        else:
+            out.append([piece])
+            size = piece.nbytes
+    return out
+
+
+def pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, 2)
+    store.set_timeout(timeout)
+    if mover == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def share_ipc(buf: torch.Tensor) -> CudaIpcHandle:
+    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
+    return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
+                         ref_counter_offset=ref_offset, event_handle=event, event_sync_required=event_sync)
+
+
+def map_ipc(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(device.index, h.handle, h.size, h.offset, h.ref_counter_handle,
+                                                    h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host staging for a Mooncake pair: pinned when the caches are on a GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def side_stream(device: torch.device):
+    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def size_of(chunk: list[Piece]) -> int:
+    return sum(p.nbytes for p in chunk)
+
+
+def bad_blocks(blocks: Sequence[int], plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> str:
+    """Why these consumer block ids cannot be written (checked before any byte lands: on a
+    GPU an out-of-range index would take the whole device context down)."""
+    dst = {d for g in plan.groups for _, d in g.units}
+    limit = min((caches[d].shape[0] for d in dst), default=0)
+    if len(set(blocks)) != len(blocks):
+        return f"consumer block ids repeat: {list(blocks)}"
+    out = [b for b in blocks if not 0 <= b < limit]
+    return f"consumer block ids {out} are outside the pool of {limit} blocks" if out else ""
