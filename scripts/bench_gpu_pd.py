@@ -15,9 +15,11 @@ drafter off/on, and PP2 with an uneven (lighter last stage) partition: prompt to
 mean TTFT, KV blocks of the prefill instance (per request, as its block manager counts
 them, and its pool, as the graph sized it); ratios against TP2 drafter-off of this run.
 
-``--table transfer`` is reserved (KV bandwidth between GPUs).
+``--table transfer`` runs ``scripts/bench_gpu_transfer.py`` (one request's head-cut KV
+through ``transfer=nccl`` against one NCCL send of the same bytes).
 
-On CUDA both instances of a P/D pair sit on GPUs 0-1 (``device_offset=0`` on each side:
+``--gpus 4`` runs the same tables at PP4 / TP4 (the reference deployment's layout), unchanged
+otherwise. On CUDA both instances of a P/D pair sit on GPUs 0..n-1 (``device_offset=0`` on each side:
 separate process groups sharing the devices), each sized to ``--memory`` of a device.
 One untimed pass of every deployment runs before its timed one.
 
@@ -45,14 +47,22 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 SHAPES = ("tiny", "qwen3-0.6b", "llama3-8b")
-# Prefill layouts of table 3: name -> overrides (the decode side stays TP2).
-PREFILL_LAYOUTS = {
-    "tp2": ["prefill=tp2"],
-    "pp2": ["prefill=pp2"],
-    "pp2-uneven": ["prefill=pp2", "prefill.partition=lighter_last"],
-}
-BASELINE = "tp2:none"
-DEFAULT_ROWS = "tp2:none,tp2:dspark,pp2:none,pp2:dspark,pp2-uneven:dspark"
+
+
+def prefill_layouts(n: int) -> dict[str, list[str]]:
+    """Table 3's prefill layouts on ``n`` GPUs: name -> overrides (the decode side is TPn)."""
+    return {f"tp{n}": [f"prefill=tp{n}"], f"pp{n}": [f"prefill=pp{n}"],
+            f"pp{n}-uneven": [f"prefill=pp{n}", "prefill.partition=lighter_last"]}
+
+
+def default_rows(n: int) -> str:
+    return f"tp{n}:none,tp{n}:dspark,pp{n}:none,pp{n}:dspark,pp{n}-uneven:dspark"
+
+
+def pd_modes(n: int) -> dict[str, list[str]]:
+    return {f"P/D PP{n}->TP{n}": [f"prefill=pp{n}", f"decode=tp{n}"],
+            f"monolithic TP{n}": ["mode=monolithic", f"prefill=pp{n}", f"decode=tp{n}"]}
+
 # Per device: the workload sizes a flag leaves unset.
 DEFAULTS = {
     "cuda": dict(prompt_len=8192, requests=32, concurrency=16, bg_requests=32, bg_prompt_len=64,
@@ -73,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer", help="transfer config (default: nccl on cuda, mooncake_tcp on cpu)")
     p.add_argument("--memory", type=float, default=0.35, help="share of one GPU per instance (cuda)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus", type=int, default=2, choices=[2, 4],
+                   help="PPn/TPn on GPUs 0..n-1 (4: the reference deployment's PP4 -> TP4)")
     p.add_argument("--out", help="folder: the table (markdown) and the raw numbers (JSON)")
     g = p.add_argument_group("table pd")
     g.add_argument("--drafter", default="none", help="drafter of both modes")
@@ -81,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--long-interval", type=float, help="seconds between long-prompt arrivals")
     g = p.add_argument_group("table prefill-cost")
-    g.add_argument("--rows", default=DEFAULT_ROWS, help=f"layout:drafter, layouts {sorted(PREFILL_LAYOUTS)}")
+    g.add_argument("--rows", help="layout:drafter,... (default: " + default_rows(2) + " at --gpus 2)")
     g.add_argument("--prompt-len", type=int)
     g.add_argument("--requests", type=int)
     g.add_argument("--concurrency", type=int)
@@ -228,8 +240,6 @@ def run_mode(base: list[str], mode_overrides: list[str], args) -> dict:
     return result
 
 
-PD_MODES = {"P/D PP2->TP2": ["prefill=pp2", "decode=tp2"],
-            "monolithic TP2": ["mode=monolithic", "prefill=pp2", "decode=tp2"]}
 PD_METRICS = (("TTFT p50 ms", "ttft_p50_s", 1e3), ("TTFT p99 ms", "ttft_p99_s", 1e3),
               ("long TTFT p50 ms", "long_ttft_p50_s", 1e3), ("long TTFT p99 ms", "long_ttft_p99_s", 1e3),
               ("ITL p50 ms", "itl_p50_s", 1e3), ("ITL p99 ms", "itl_p99_s", 1e3),
@@ -239,7 +249,7 @@ PD_METRICS = (("TTFT p50 ms", "ttft_p50_s", 1e3), ("TTFT p99 ms", "ttft_p99_s", 
 def pd_table(args, model: list[str]) -> tuple[str, dict]:
     base = [*model, *device_overrides(args), f"drafter={args.drafter}", *args.overrides]
     results = {}
-    for name, mode in PD_MODES.items():
+    for name, mode in pd_modes(args.gpus).items():
         results[name] = soft(lambda mode=mode: run_mode(base, mode, args))
     pd, mono = results.values()
     lines = [f"load: {args.bg_requests} background requests ({args.bg_prompt_len}-token prompt, "
@@ -315,15 +325,16 @@ def prefill_cost(overrides: list[str], *, prompt_len: int, requests: int, concur
 def prefill_cost_rows(args, model: list[str]) -> list[dict]:
     """Every ``--rows`` entry (the TP2 drafter-off baseline first), measured in this
     process one after another; ratios against the baseline."""
-    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
-    rows = [BASELINE] + [r for r in wanted if r != BASELINE]
-    base = [*model, *device_overrides(args), "decode=tp2", *args.overrides]
+    baseline, layouts = f"tp{args.gpus}:none", prefill_layouts(args.gpus)
+    wanted = [r.strip() for r in (args.rows or default_rows(args.gpus)).split(",") if r.strip()]
+    rows = [baseline] + [r for r in wanted if r != baseline]
+    base = [*model, *device_overrides(args), f"decode=tp{args.gpus}", *args.overrides]
     out = []
     for row in rows:
         layout, _, drafter = row.partition(":")
-        if layout not in PREFILL_LAYOUTS:
-            raise SystemExit(f"unknown prefill layout {layout!r}; choose from {sorted(PREFILL_LAYOUTS)}")
-        overrides = [*base, *PREFILL_LAYOUTS[layout], f"drafter={drafter or 'none'}"]
+        if layout not in layouts:
+            raise SystemExit(f"unknown prefill layout {layout!r}; choose from {sorted(layouts)}")
+        overrides = [*base, *layouts[layout], f"drafter={drafter or 'none'}"]
         res = soft(lambda o=overrides: prefill_cost(o, prompt_len=args.prompt_len, requests=args.requests,
                                                       concurrency=args.concurrency, seed=args.seed))
         out.append(dict(res, layout=layout, drafter=drafter or "none"))
@@ -338,10 +349,11 @@ def prefill_cost_rows(args, model: list[str]) -> list[dict]:
 def prefill_cost_table(args, model: list[str]) -> tuple[str, list[dict]]:
     rows = prefill_cost_rows(args, model)
     lines = [f"prefill only: {args.requests} random {args.prompt_len}-token prompts, "
-             f"{min(args.concurrency, args.requests)} in flight, max_tokens 1, decode TP2; ratios against "
-             f"{BASELINE} of this run; KV blocks of the prefill instance (its block manager's count per "
+             f"{min(args.concurrency, args.requests)} in flight, max_tokens 1, decode TP{args.gpus}; ratios "
+             f"against tp{args.gpus}:none of this run; KV blocks of the prefill instance (its block manager's count per "
              "request, the graph's bytes per block on all its ranks, its pool)", "",
-             "| prefill | drafter | partition | prompt tok/s | x tp2:none | mean TTFT ms | x tp2:none | "
+             f"| prefill | drafter | partition | prompt tok/s | x tp{args.gpus}:none | mean TTFT ms | "
+             f"x tp{args.gpus}:none | "
              "KV blocks/request | KV MiB/request | pool blocks | completed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -393,9 +405,11 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.table == "transfer":
-        print("--table transfer is reserved for the KV transfer bandwidth table (not in this script yet)")
-        return 2
+    if args.table == "transfer":  # three processes of its own: a script of its own
+        run = [sys.executable, str(SCRIPTS / "bench_gpu_transfer.py")]
+        if args.device == "cpu":
+            run += ["--device", "cpu", "--model", "tiny", "--tokens", "256", "--pages", "16"]
+        return subprocess.run(run, check=False).returncode
     with model_overrides(args) as model:
         if args.table == "pd":
             table, raw = pd_table(args, model)
