@@ -84,3 +84,20 @@ def test_a_table_for_other_blocks_is_caught(graph_of):
     copy_runs_mod.copy_runs_reference(chunk_table(table.entries(SRC[::-1]), 0, len(want), got.data_ptr(),
                                                   into_buffer=True))
     assert not torch.equal(got, want)
+
+
+def test_the_word_size_agrees_with_the_kernel():
+    from pdflow.transfer import run_table
+
+    assert run_table.WORD == copy_runs_mod.WORD
+
+
+def test_importing_the_transfer_path_loads_no_triton():
+    """Triton picks interpreter or compiler when triton.language is first imported: the
+    transfer path (imported by every P/D engine) must leave that to the kernels' users."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pdflow.serve.deployment, pdflow.worker.kv_link, pdflow.transfer.p2p; "
+            "sys.exit('triton.language' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

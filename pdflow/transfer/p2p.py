@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pdflow.graph import PRODUCER, CutPlan, RunGraph
-from pdflow.kernels.copy_runs import copy_runs
 from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.descriptors import Descriptors
 from pdflow.transfer.errors import TransferError
@@ -165,6 +164,8 @@ class P2PPeer:
         base = chunk[0].offset
         if self.table is not None:
             table = chunk_table(self._entries, base, base + size_of(chunk), out.data_ptr(), into_buffer=True)
+            from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+
             copy_runs(table.pin_memory().to(self.device, non_blocking=True), self.table.max_words)
             return
         for p in chunk:
@@ -302,6 +303,8 @@ class _Session:
                 base = chunk[0].offset
                 if entries is not None:  # one kernel over the chunk's runs
                     table = chunk_table(entries, base, base + size_of(chunk), data.data_ptr(), into_buffer=False)
+                    from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+
                     copy_runs(table.pin_memory().to(data.device, non_blocking=True), self.table.max_words)
                     return ""
                 for p in chunk:

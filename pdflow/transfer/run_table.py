@@ -14,8 +14,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pdflow.graph.cut import CutPlan
-from pdflow.kernels.copy_runs import WORD
 from pdflow.transfer.packing import block_bytes
+
+# Bytes per element ``pdflow.kernels.copy_runs`` copies (its WORD; not imported here, so
+# importing pdflow loads no Triton: the interpreter must be chosen before triton.language
+# is first imported).
+WORD = 8
 
 
 class RunTable:
