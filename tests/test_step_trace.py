@@ -26,4 +26,4 @@ def test_trace_records_each_steps_path_and_ops():
     assert paths == [("decode-rows", 181 - 128, False), ("decode", 1, False), ("decode", 1, False)]
     assert trace.records[0].ops == {"decode_attention": layers, "store_kv": layers}
     assert "3 steps (0 graphed)" in trace.summary()
-    assert trace.kernels_built() is None  # CPU: nothing is compiled
+    assert trace.kernels_built() in (None, 0)  # CPU: nothing compiled (None: every kernel interpreted)
