@@ -395,15 +395,9 @@ def hardware(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=SCRIPTS).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
+    from bench_engine import git_commit  # scripts/ sits beside this file
+
     args = parse_args(argv)
     if args.table == "transfer":  # three processes of its own: a script of its own
         run = [sys.executable, str(SCRIPTS / "bench_gpu_transfer.py")]

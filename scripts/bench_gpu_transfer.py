@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -227,7 +226,9 @@ def main() -> None:
     if rows is None:
         sys.exit("the producer process ended without a table")
     hw = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from bench_engine import git_commit  # scripts/ sits beside this file
+
+    commit = git_commit()
     print(f"\n# transfer=nccl, one request's head-cut KV ({args.model} heads, TP1 -> TP2, block {BLOCK})")
     print(f"{hw}, torch {torch.__version__}, commit {commit or '?'}, {datetime.date.today()}; "
           f"command: {' '.join(sys.argv)}\n")

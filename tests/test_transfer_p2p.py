@@ -14,7 +14,7 @@ import transfer_kit
 from transfer_kit import caches_for, producer_caches_of, wrong_units
 
 from pdflow import Deployment, SamplingParams, compose
-from pdflow.graph import CONSUMER, PRODUCER
+from pdflow.graph import CONSUMER
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, chunks
 from pdflow.transfer.packing import packed_nbytes
@@ -161,7 +161,6 @@ def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
                     producer_rank=len(graph.producer.ranks) + 5, spec=graph.spec.transfer)
     finally:
         listener.close()
-    assert graph.rank(PRODUCER, 0) is not None
 
 
 @pytest.mark.slow

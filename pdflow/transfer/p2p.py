@@ -68,11 +68,11 @@ class P2PPeer:
                  dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec,
                  transport: MooncakeTransport | None = None):
         self.plan, self.caches, self.dst_block_bytes = plan, caches, dst_block_bytes
+        self.source_blocks = min(caches[s].shape[0] for g in plan.groups for s, _ in g.units)
         self.device = next(iter(caches.values())).device
         self.transport = transport
         self.mover = choose_mover(device_identity(self.device), consumer_device,
                                   "mooncake" if transport is not None else "nccl")
-        self.timeout_s = spec.timeout_s
         host, port = address.rsplit(":", 1)
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
@@ -117,7 +117,7 @@ class P2PPeer:
                 raise TransferError(self.broken) from err
 
     def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
-        limit = min(self.caches[s].shape[0] for g in self.plan.groups for s, _ in g.units)
+        limit = self.source_blocks
         if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
             raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
                                 f"{len(dst_blocks)} consumer blocks")

@@ -19,8 +19,6 @@ import msgspec
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 MAX_FRAME = 1 << 24  # control messages only (a request's block list is the largest)
 
-# CPU caches; two GPUs; one GPU shared by both ranks; host staging written by Mooncake.
-MOVERS = ("gloo", "nccl", "ipc", "mooncake")
 
 
 class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
