@@ -2,8 +2,13 @@
 
 A request's head cut is thousands of runs (every unit, block and page of the heads one
 consumer rank holds); gathering them with one torch op per unit pays a launch and a host
-round trip per unit. Here a table of (source address, destination address, length in
-8-byte words) on the device drives one kernel: program (i, j) copies slice j of run i.
+round trip per unit. Here a table of (address a, address b, length in 8-byte words) on the
+device drives one kernel: program (i, j) copies slice j of run i from ``a`` to
+``b + shift`` (or, ``reverse``, from ``b + shift`` to ``a``). With ``b`` a run's offset in
+the packed stream and ``shift`` a buffer's address less the chunk's first offset, one
+table built once per request serves every chunk's pack and scatter (a slice of it per
+chunk, nothing rebuilt on the host); with ``b`` an absolute address and ``shift`` 0 it is
+a plain gather-scatter (a producer writing straight into a consumer's caches).
 ``copy_runs_reference`` is the same copy on the host (CPU tensors), for tests.
 """
 
@@ -19,32 +24,40 @@ WORD = 8  # bytes per element copied: every run's address and length is a multip
 
 
 @triton.jit
-def _copy_runs_kernel(table_ptr, BLOCK: tl.constexpr):
+def _copy_runs_kernel(table_ptr, shift, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     run = tl.program_id(0)
     part = tl.program_id(1)
-    src = tl.load(table_ptr + run * 3).to(tl.pointer_type(tl.int64))
-    dst = tl.load(table_ptr + run * 3 + 1).to(tl.pointer_type(tl.int64))
+    a = tl.load(table_ptr + run * 3)
+    b = tl.load(table_ptr + run * 3 + 1) + shift
+    if REVERSE:
+        src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
+    else:
+        src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
     words = tl.load(table_ptr + run * 3 + 2)
     offs = part * BLOCK + tl.arange(0, BLOCK)
     keep = offs < words
     tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
 
 
-def copy_runs(table: torch.Tensor, max_words: int) -> None:
-    """Copy every run of ``table`` (int64 [n, 3] on the device whose memory the addresses
-    name: source, destination, length in words); ``max_words`` bounds the lengths."""
+def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: bool = False) -> None:
+    """Copy every run of ``table`` (int64 [n, 3], contiguous rows, on the device that
+    launches: a, b, length in words) from ``a`` to ``b + shift`` (``reverse``: back);
+    ``max_words`` bounds the lengths."""
     if table.numel() == 0:
         return
+    if table.stride() != (3, 1):
+        raise ValueError("copy_runs takes a table of contiguous [n, 3] rows")
     block = min(2048, triton.next_power_of_2(max(max_words, 16)))
     grid = (table.shape[0], triton.cdiv(max_words, block))
     if not table.is_cuda:  # the interpreter, on CPU tensors
-        _copy_runs_kernel[grid](table, BLOCK=block)
+        _copy_runs_kernel[grid](table, shift, BLOCK=block, REVERSE=reverse)
         return
     with torch.cuda.device(table.device):  # Triton launches on the current device
-        _copy_runs_kernel[grid](table, BLOCK=block)
+        _copy_runs_kernel[grid](table, shift, BLOCK=block, REVERSE=reverse)
 
 
-def copy_runs_reference(table: torch.Tensor) -> None:
+def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:
     """The same copy with memmove (host memory only)."""
-    for src, dst, words in table.tolist():
+    for a, b, words in table.tolist():
+        src, dst = (b + shift, a) if reverse else (a, b + shift)
         ctypes.memmove(dst, src, words * WORD)

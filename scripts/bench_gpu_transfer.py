@@ -1,15 +1,18 @@
-"""Table 1 of the GPU P/D bench: one request's head-cut KV through ``transfer=nccl``.
+"""Table 1 of the GPU P/D bench: one request's head-cut KV through ``transfer=nccl`` and
+``transfer=cuda_ipc``.
 
 A TP1 producer on GPU 0 (every layer, every KV head of the model's geometry) writes a
-request to a TP2 consumer: rank 1 on GPU 1 (NCCL between the GPUs) and rank 0 on GPU 0
-(the same GPU: CUDA IPC). Three processes, as in a deployment. For each page size and
+request to a TP2 consumer: rank 1 on GPU 1 and rank 0 on GPU 0. With ``nccl`` the runs are
+packed and move by NCCL between the GPUs, through an IPC-mapped receive buffer on the same
+GPU; with ``cuda_ipc`` the producer's kernel writes them into the consumer's mapped caches
+(NVLink to GPU 1). Three processes, as in a deployment. For each transfer, page size and
 prompt length: GB/s of the p2p pair, one NCCL send of the same total bytes between the
 same GPUs in the same run (plus an 8-byte ack back, as the pair acks), the ratio, the
 same-GPU pair against a device copy of the same bytes, and whether every consumer rank
 holds exactly its heads (the tests' tensor-indexing oracle, on the shortest prompt).
 
     python scripts/bench_gpu_transfer.py                       # 2 GPUs, Llama-3-8B heads
-    python scripts/bench_gpu_transfer.py --device cpu --model tiny --tokens 256 --pages 16   # smoke
+    python scripts/bench_gpu_transfer.py --device cpu --model tiny --tokens 256 --pages 16 --transfers nccl  # smoke
 """
 
 # ruff: noqa: B023  (each lambda runs before its loop variables move on)
@@ -38,8 +41,8 @@ from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 BLOCK = 128
 
 
-def graph_for(model: str, page: int, device: str, staging_mib: int):
-    spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", "transfer=nccl",
+def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl"):
+    spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", f"transfer={transfer}",
                     f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60",
                     f"prefill.block_size={BLOCK}", f"decode.block_size={BLOCK}", f"prefill.kv_page_tokens={page}",
                     f"decode.kv_page_tokens={page}", f"prefill.device={device}", f"decode.device={device}"])
@@ -79,8 +82,8 @@ def _baseline_group(args, rank: int, path: str):
 def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
     device = _device(args, rank)
     group = _baseline_group(args, 1, base_path) if rank == 1 else None
-    for page in args.pages:
-        graph = graph_for(args.model, page, args.device, args.staging_mib)
+    for page, transfer in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
         listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer)
@@ -112,8 +115,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
     device = _device(args, 0)
     group = _baseline_group(args, 0, base_path)
     rows = []
-    for page in args.pages:
-        graph = graph_for(args.model, page, args.device, args.staging_mib)
+    for page, transfer in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(PRODUCER, 0).units, blocks, device, seed=args.seed)
         addresses = {}
@@ -132,7 +135,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             n = tokens // BLOCK
             src = list(range(n))
             dst = list(range(n))[::-1]  # scattered: the consumer's blocks in another order
-            row = {"page": page, "tokens": tokens}
+            row = {"transfer": transfer, "page": page, "tokens": tokens}
             for rank, peer in peers.items():
                 nbytes = packed_nbytes(peer.plan, n)
                 secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
@@ -165,6 +168,10 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
     result.put(rows)
 
 
+def combos(args) -> list[tuple[int, str]]:
+    return [(page, transfer) for page in args.pages for transfer in args.transfers]
+
+
 def _timed(fn, reps: int, device) -> float:
     for _ in range(2):
         fn()
@@ -181,15 +188,17 @@ def _timed(fn, reps: int, device) -> float:
 
 
 def table(rows, args) -> str:
-    out = ["| page | tokens | pair | mover | MiB | GB/s | one NCCL send GB/s | ratio | exact |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| transfer | page | tokens | pair | mover | MiB | GB/s | baseline GB/s | ratio | exact |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for rank in (1, 0):
             mover, nbytes, gbs = r[f"r{rank}"]
             base, name = (r["nccl_one"], "one send") if rank == 1 else (r["copy"], "device copy")
-            out.append(f"| {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | {nbytes / 2**20:.0f} | "
-                       f"{gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | {r.get('exact', '-')} |")
-        out.append(f"| {r['page']} | {r['tokens']} | both ranks, in turn | - | - | {r['both']:.1f} | - | - | - |")
+            out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | "
+                       f"{nbytes / 2**20:.0f} | {gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | "
+                       f"{r.get('exact', '-')} |")
+        out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | both ranks, in turn | - | - | "
+                   f"{r['both']:.1f} | - | - | - |")
     return "\n".join(out)
 
 
@@ -198,12 +207,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--pages", default="128,16")
+    ap.add_argument("--transfers", default="nccl,cuda_ipc", help="transfer configs (conf/transfer) to run")
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--staging-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.pages = [int(x) for x in args.pages.split(",")]
+    args.transfers = args.transfers.split(",")
     args.tokens = sorted(int(x) for x in args.tokens.split(","))
     ctx = mp.get_context("spawn")
     outbox, result = ctx.Queue(), ctx.Queue()
@@ -229,7 +240,9 @@ def main() -> None:
     from bench_engine import git_commit  # scripts/ sits beside this file
 
     commit = git_commit()
-    print(f"\n# transfer=nccl, one request's head-cut KV ({args.model} heads, TP1 -> TP2, block {BLOCK})")
+    print(f"\n# one request's head-cut KV through transfer={args.transfers} ({args.model} heads, TP1 -> TP2, "
+          f"block {BLOCK}); baseline: one NCCL send of the same bytes + an 8-byte ack (rank 1, GPU 1), a "
+          f"device copy of them (rank 0, GPU 0)")
     print(f"{hw}, torch {torch.__version__}, commit {commit or '?'}, {datetime.date.today()}; "
           f"command: {' '.join(sys.argv)}\n")
     print(table(rows, args))

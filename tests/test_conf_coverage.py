@@ -29,7 +29,8 @@ RUNS = {
                       "transfer=nccl"], 1),
     "ref_prefill_cost": (["+experiment=ref_prefill_cost", "prefill=pp4", "decode=tp4", "drafter=eagle"], 1),
     "tp_prefills": (["-m", "prefill=pp2,tp2,tp4", "decode=tp1", "drafter=none", "tracking=off", *HF_TINY], 3),
-    "tp8_eagle3": (["prefill=tp1", "decode=tp8", "drafter=eagle3", "workload=prefill", "tracking=off"], 1),
+    "tp8_eagle3": (["prefill=tp1", "decode=tp8", "drafter=eagle3", "workload=prefill", "tracking=off",
+                    "transfer=cuda_ipc"], 1),
 }
 # name -> (sweep arguments, jobs, refusal codes every job is tagged with). Nothing launches.
 REFUSED = {

@@ -1,7 +1,9 @@
-"""P/D on two GPUs over ``transfer=nccl``: the prefill PP2 and the decode TP2 share GPUs 0-1
-(each producer stage writes its own GPU's decode rank through CUDA IPC and the other's
-over NCCL), and a TP1 -> TP1 pair across the GPUs (NCCL alone). Greedy tokens equal a
-monolithic instance's, the DSpark drafter's context K/V riding the same pairs."""
+"""P/D on two GPUs over ``transfer=nccl`` and ``transfer=cuda_ipc``: the prefill PP2 and the
+decode TP2 share GPUs 0-1 (nccl: each producer stage writes its own GPU's decode rank
+through an IPC-mapped buffer and the other's over NCCL; cuda_ipc: its copy kernel writes
+both ranks' mapped caches, over NVLink for the other GPU), and a TP1 -> TP1 pair across the
+GPUs (NCCL alone). Greedy tokens equal a monolithic instance's, the DSpark drafter's
+context K/V riding the same pairs."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-BASE = ["transfer=nccl", "prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
+BASE = ["prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
         "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
         "drafter=dspark"]
 
@@ -38,18 +40,23 @@ def _run(overrides):
 
 @pytest.fixture(scope="module")
 def monolithic():
-    return _run(["mode=monolithic", "prefill=tp2", "decode=tp2", "decode.device_offset=0"])
+    return _run(["transfer=nccl", "mode=monolithic", "prefill=tp2", "decode=tp2", "decode.device_offset=0"])
 
 
 ACROSS = pytest.param(
-    ["prefill=tp1", "decode=tp1", "decode.device_offset=1"], id="tp1->tp1 across GPUs (nccl)",
+    ["transfer=nccl", "prefill=tp1", "decode=tp1", "decode.device_offset=1"], id="tp1->tp1 across GPUs (nccl)",
     marks=pytest.mark.xfail(reason="open bug: both TP1 instances run in the owner process (in-process "
                             "executor); the one on GPU 1 fails Triton's pointer check while capturing its "
                             "CUDA graphs at start-up (rms_norm), before any transfer"))
 
 
-@pytest.mark.parametrize("layout", [pytest.param(["prefill=pp2", "decode=tp2", "decode.device_offset=0"],
-                                                 id="pp2->tp2 co-located (ipc+nccl)"), ACROSS])
+CO_LOCATED = ["prefill=pp2", "decode=tp2", "decode.device_offset=0"]
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["transfer=nccl", *CO_LOCATED], id="pp2->tp2 co-located (ipc+nccl)"),
+    pytest.param(["transfer=cuda_ipc", *CO_LOCATED], id="pp2->tp2 co-located (cuda_ipc peer writes)"),
+    ACROSS])
 def test_pd_over_nccl_equals_monolithic(monolithic, layout):
     tokens, accepted = _run(layout)
     assert tokens == monolithic[0]

@@ -1,7 +1,9 @@
-"""The GPU pack/scatter of ``transfer=nccl``: one ``copy_runs`` launch per chunk from a
-``RunTable`` must leave the bytes ``packing`` leaves (the path the CPU pairs and the
-Mooncake staging run), chunk by chunk, under TRITON_INTERPRET on CPU tensors; and a
-table built for the wrong blocks is caught."""
+"""The GPU pack/scatter of ``transfer=nccl``: one ``copy_runs`` launch per chunk over a
+slice of the request's ``RunTable`` rows must leave the bytes ``packing`` leaves (the path
+the CPU pairs and the Mooncake staging run), chunk by chunk, under TRITON_INTERPRET on CPU
+tensors; the direct cache-to-cache rows of ``transfer=cuda_ipc`` leave the caches
+``packing`` leaves; and rows built for the wrong blocks, or a chunk's span off by a
+block, are caught."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from transfer_kit import caches_for, producer_caches_of  # noqa: E402
 from pdflow.graph import CONSUMER  # noqa: E402
 from pdflow.transfer.p2p import bound_plan, chunks  # noqa: E402
 from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
-from pdflow.transfer.run_table import RunTable, chunk_table  # noqa: E402
+from pdflow.transfer.run_table import RunTable, direct_rows  # noqa: E402
 
 if not torch.cuda.is_available():  # imported earlier by another module, compiled for a GPU
     copy_runs_mod = importlib.reload(copy_runs_mod)
@@ -30,21 +32,21 @@ OVERRIDES = ["transfer=nccl", "prefill=pp2", "decode=tp2", "drafter=dspark", "pr
              "decode.block_size=32"]
 
 
-def _copy(kind: str, table: torch.Tensor, max_words: int) -> None:
+def _copy(kind: str, table: torch.Tensor, max_words: int, **how) -> None:
     if kind == "triton":
         if torch.cuda.is_available():
             pytest.skip("CPU tensors through the interpreter; on a GPU the transfer bench checks the kernel")
-        copy_runs_mod.copy_runs(table, max_words)
+        copy_runs_mod.copy_runs(table, max_words, **how)
     else:
-        copy_runs_mod.copy_runs_reference(table)
+        copy_runs_mod.copy_runs_reference(table, **how)
 
 
-@pytest.mark.parametrize("kind", ["triton", "reference"])
-@pytest.mark.parametrize("page", [16, 32])
-def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
+def _setup(graph_of, page: int):
     graph = graph_of(*OVERRIDES, f"prefill.kv_page_tokens={page}", f"decode.kv_page_tokens={page}")
-    cut = graph.cuts[1]
-    src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
+    producers = producer_caches_of(graph, 6)
+    # the last stage's cut to rank 1: target and draft units, two groups of runs
+    cut = max((c for c in graph.cuts if c.consumer_rank == 1), key=lambda c: c.producer_rank)
+    src_caches = producers[cut.producer_rank]
     plan = bound_plan(cut, set(src_caches))
     units = graph.rank(CONSUMER, cut.consumer_rank).units
     dst_bytes = {u.name: u.bytes_per_block for u in units}
@@ -53,22 +55,62 @@ def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
     pack(plan, src_caches, SRC, want, dst_bytes)
     want_caches = caches_for(units, 6, fill="poison")
     unpack(plan, want, DST, want_caches, src_bytes)
+    return plan, units, src_caches, want, want_caches
 
+
+@pytest.mark.parametrize("kind", ["triton", "reference"])
+@pytest.mark.parametrize("page", [16, 32])
+def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
+    plan, units, src_caches, want, want_caches = _setup(graph_of, page)
     got_caches = caches_for(units, 6, fill="poison")
     packer = RunTable(plan, src_caches, "src")
     scatterer = RunTable(plan, got_caches, "dst")
-    src_entries, dst_entries = packer.entries(SRC), scatterer.entries(DST)
+    src_rows, dst_rows = packer.rows(SRC), scatterer.rows(DST)
     parts = chunks(plan, len(SRC), max(p.nbytes for p in chunks(plan, len(SRC), 1 << 30)[0]) // 2 or 1)
     assert len(parts) > 1  # several chunks, each packed and scattered on its own
+    assert len({p.group for chunk in parts for p in chunk}) == len(plan.groups)  # page 32: two groups
     for chunk in parts:
         lo = chunk[0].offset
         hi = lo + sum(p.nbytes for p in chunk)
         buf = torch.zeros(hi - lo, dtype=torch.uint8)
-        _copy(kind, chunk_table(src_entries, lo, hi, buf.data_ptr(), into_buffer=True), packer.max_words)
+        first, stop = packer.span(chunk, len(SRC))
+        _copy(kind, src_rows[first:stop], packer.max_words, shift=buf.data_ptr() - lo)
         assert torch.equal(buf, want[lo:hi])
-        _copy(kind, chunk_table(dst_entries, lo, hi, buf.data_ptr(), into_buffer=False), scatterer.max_words)
+        first, stop = scatterer.span(chunk, len(DST))
+        _copy(kind, dst_rows[first:stop], scatterer.max_words, shift=buf.data_ptr() - lo, reverse=True)
     for name, cache in want_caches.items():
         assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("kind", ["triton", "reference"])
+def test_direct_rows_write_caches_like_packing(graph_of, kind):
+    """transfer=cuda_ipc: producer caches straight into consumer caches, one launch."""
+    plan, units, src_caches, _, want_caches = _setup(graph_of, 32)
+    assert len(plan.groups) == 2  # target and draft runs differ in shape at page 32
+    got_caches = caches_for(units, 6, fill="poison")
+    rows = direct_rows(RunTable(plan, src_caches, "src").rows(SRC), RunTable(plan, got_caches, "dst").rows(DST))
+    _copy(kind, rows, RunTable(plan, src_caches, "src").max_words)
+    for name, cache in want_caches.items():
+        assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
+
+
+def test_a_span_off_by_a_block_is_caught(graph_of):
+    """Each chunk's rows come from plan arithmetic, not a search: shifting a span by one
+    block's runs must leave other bytes in the buffer."""
+    plan, _, src_caches, want, _ = _setup(graph_of, 16)
+    packer = RunTable(plan, src_caches, "src")
+    rows = packer.rows(SRC)
+    chunk = chunks(plan, len(SRC), max(p.nbytes for p in chunks(plan, len(SRC), 1 << 30)[0]) // 2 or 1)[1]
+    lo, hi = chunk[0].offset, chunk[0].offset + sum(p.nbytes for p in chunk)
+    first, stop = packer.span(chunk, len(SRC))
+    runs = packer.groups[chunk[0].group][6]
+    buf = torch.zeros(len(want), dtype=torch.uint8)  # the whole stream: a wrong span lands inside it
+    copy_runs_mod.copy_runs_reference(rows[first:stop], shift=buf.data_ptr())
+    assert torch.equal(buf[lo:hi], want[lo:hi])
+    buf.zero_()
+    shifted = rows[first + runs:stop + runs] if stop + runs <= len(rows) else rows[first - runs:stop - runs]
+    copy_runs_mod.copy_runs_reference(shifted, shift=buf.data_ptr())
+    assert not torch.equal(buf[lo:hi], want[lo:hi])
 
 
 def test_a_table_for_other_blocks_is_caught(graph_of):
@@ -81,9 +123,10 @@ def test_a_table_for_other_blocks_is_caught(graph_of):
     pack(plan, src_caches, SRC, want, dst_bytes)
     table = RunTable(plan, src_caches, "src")
     got = torch.zeros_like(want)
-    copy_runs_mod.copy_runs_reference(chunk_table(table.entries(SRC[::-1]), 0, len(want), got.data_ptr(),
-                                                  into_buffer=True))
+    copy_runs_mod.copy_runs_reference(table.rows(SRC[::-1]), shift=got.data_ptr())
     assert not torch.equal(got, want)
+    copy_runs_mod.copy_runs_reference(table.rows(SRC), shift=got.data_ptr())
+    assert torch.equal(got, want)
 
 
 def test_the_word_size_agrees_with_the_kernel():

@@ -32,6 +32,12 @@ class TransferSpec:
     # Registered staging memory per rank: the consumer's receive area and each producer
     # rank's send buffer per consumer rank. A request that does not fit goes direct.
     staging_mib: int = 256
+    # transfer=nccl with GPU caches on one host: the producer's copy kernel writes every cut
+    # run straight into the consumer's caches, mapped through CUDA IPC (over NVLink between
+    # GPUs that can reach each other's memory; one launch per request, no receive buffer,
+    # no pack or scatter). false: pack into chunks moved by NCCL (or through an IPC-mapped
+    # receive buffer when both ranks share a GPU). GPUs without peer access fall back.
+    peer_writes: bool = False
     # A request's transfer deadline, on both sides.
     timeout_s: float = 30.0
     # Unit families ("mha", "draft") cut as if their page were the whole block: a

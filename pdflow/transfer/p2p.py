@@ -12,13 +12,18 @@ will move (``p2p_parts.choose_mover``):
   pair (a ``FileStore`` rendezvous).
 - ``ipc``: one GPU shared by both ranks (NCCL refuses two ranks on one device). The
   consumer's receive buffer is mapped into the producer through CUDA IPC.
+- ``peer`` (``transfer.peer_writes``, GPUs of one host that can reach each other's memory,
+  or one GPU): the consumer's caches are mapped into the producer through CUDA IPC and one
+  ``copy_runs`` launch per request writes every cut run from the producer's caches into
+  them (NVLink between two GPUs): no receive buffer, no pack, no scatter.
 - ``gloo``: ``transfer=nccl`` with CPU caches (what the tests on a laptop run).
 
 Per request the producer packs the runs its cut plan names for that consumer rank
 (``packing``'s order, so every path leaves identical caches; on a GPU one ``copy_runs``
-launch per chunk), moves them in chunks of the consumer's receive buffer, and waits for the
-consumer's ack after it scattered the bytes into its caches: when ``send`` returns the KV
-is in place, as after a one-sided write, and the engine's path does not change.
+launch per chunk, over rows built once per request on the device), moves them in chunks of
+the consumer's receive buffer, and waits for the consumer's ack after it scattered the
+bytes into its caches: when ``send`` returns the KV is in place, as after a one-sided
+write, and the engine's path does not change.
 """
 
 from __future__ import annotations
@@ -47,16 +52,20 @@ from pdflow.transfer.p2p_parts import (
     choose_mover,
     chunks,
     device_identity,
+    enable_peer_access,
     host_buffer,
+    local_device,
+    map_cache,
     map_ipc,
     pair_group,
+    share_cache,
     share_ipc,
     side_stream,
     size_of,
     synchronize,
 )
-from pdflow.transfer.packing import Piece, pack_piece, unpack_piece
-from pdflow.transfer.run_table import RunTable, chunk_table
+from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes, unpack_piece
+from pdflow.transfer.run_table import RunTable, direct_rows
 
 __all__ = ["P2PListener", "P2PPeer", "bound_plan", "chunks", "device_identity"]
 
@@ -72,20 +81,28 @@ class P2PPeer:
         self.device = next(iter(caches.values())).device
         self.transport = transport
         self.mover = choose_mover(device_identity(self.device), consumer_device,
-                                  "mooncake" if transport is not None else "nccl")
+                                  "mooncake" if transport is not None else "nccl", spec.peer_writes)
         host, port = address.rsplit(":", 1)
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
-        self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover))
+        self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
         ready = self.conn.recv()
         if not isinstance(ready, P2PReady) or ready.refused:
             self.conn.close()
             why = ready.refused if isinstance(ready, P2PReady) else f"answered {type(ready).__name__}"
             raise TransferError(f"consumer at {address} refused the pair: {why}")
         self.buffer_bytes = ready.buffer_bytes
-        if self.mover == "ipc":
+        self.dst_table = None
+        if self.mover == "peer":  # the consumer's caches, mapped here; written by one kernel per request
+            theirs = local_device(consumer_device)
+            enable_peer_access(self.device, theirs)
+            self._mapped: dict[bytes, torch.Tensor] = {}
+            self.dst_caches = {n: map_cache(m, theirs, self._mapped) for n, m in ready.caches.items()}
+            self.dst_table = RunTable(plan, self.dst_caches, "dst", device=self.device)
+            self.buf, self.group = None, None
+        elif self.mover == "ipc":
             self.buf, self.group = map_ipc(ready.ipc, self.device), None
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
             self.host = host_buffer(self.buffer_bytes, self.device)
@@ -100,7 +117,7 @@ class P2PPeer:
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
-        self._entries = None
+        self._rows = None
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
@@ -122,9 +139,12 @@ class P2PPeer:
             raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
                                 f"{len(dst_blocks)} consumer blocks")
         phases = Phases(f"send {self.mover}", self.device)
-        self._entries = self.table.entries(src_blocks) if self.table is not None else None
+        if self.mover == "peer":
+            self._write_direct(src_blocks, dst_blocks, request_id, phases)
+            return
+        self._rows = self.table.rows(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
-        phases.mark("entries")
+        phases.mark("rows")
         if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
             for i, chunk in enumerate(parts):
@@ -154,6 +174,25 @@ class P2PPeer:
         phases.mark("ack")
         phases.report()
 
+    def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
+                      phases: Phases) -> None:
+        """``peer``: every run from this rank's caches into the consumer's, one launch."""
+        error = bad_blocks(dst_blocks, self.plan, self.dst_caches)
+        if error:  # checked here: a wild address would fault this GPU's context, or theirs
+            raise TransferError(error)
+        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        rows = direct_rows(self.table.rows(src_blocks), self.dst_table.rows(dst_blocks))
+        phases.mark("rows")
+        from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+
+        copy_runs(rows, self.table.max_words)
+        synchronize(self.device)  # in their caches once this returns
+        phases.mark("write")
+        self.conn.send(P2PChunk(index=0, nbytes=packed_nbytes(self.plan, len(src_blocks))))
+        self._ack(0)
+        phases.mark("ack")
+        phases.report()
+
     def _write(self, nbytes: int) -> None:
         if self.buf is not self.host:
             self.host[:nbytes].copy_(self.buf[:nbytes])  # device to host, synchronous
@@ -163,10 +202,10 @@ class P2PPeer:
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
         base = chunk[0].offset
         if self.table is not None:
-            table = chunk_table(self._entries, base, base + size_of(chunk), out.data_ptr(), into_buffer=True)
+            first, stop = self.table.span(chunk, len(src_blocks))
             from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-            copy_runs(table.pin_memory().to(self.device, non_blocking=True), self.table.max_words)
+            copy_runs(self._rows[first:stop], self.table.max_words, shift=out.data_ptr() - base)
             return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],
@@ -182,6 +221,7 @@ class P2PPeer:
     def close(self) -> None:
         self.conn.close()
         self.buf = None
+        self.dst_caches, self._mapped, self.dst_table = {}, {}, None
 
 
 class P2PListener:
@@ -255,11 +295,15 @@ class _Session:
             plan = bound_plan(cut, set(hello.units))
             missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
             expected = ("mooncake",) if lis.transport is not None else (
-                ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc"))
+                ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc", "peer"))
             if missing:
                 refused = f"consumer rank {lis.rank} has no caches for {missing}"
             elif hello.mover not in expected:
                 refused = f"mover {hello.mover!r} cannot reach caches on {lis.identity}"
+            elif hello.mover == "peer" and hello.pid == os.getpid():
+                refused = ("transfer.peer_writes maps the consumer's caches through CUDA IPC, which needs the "
+                           "producer rank in another process; run the instances' ranks as processes or use "
+                           "transfer=nccl")
         if refused:
             self.conn.send(P2PReady(refused=refused))
             return None
@@ -271,6 +315,10 @@ class _Session:
             buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
                                                                           device=lis.device)
             group = None
+        elif hello.mover == "peer":  # the producer writes the caches themselves: no buffer
+            dst = {d for g in plan.groups for _, d in g.units}
+            self.conn.send(P2PReady(caches={n: share_cache(lis.caches[n]) for n in sorted(dst)}))
+            buf, group = None, None
         elif hello.mover == "ipc":
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
             self.conn.send(P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf)))
@@ -283,7 +331,8 @@ class _Session:
                 torch.cuda.set_device(lis.device)
             group = pair_group(hello.mover, path, 0, lis.spec.timeout_s)
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
-        self.table = RunTable(plan, lis.caches, "dst") if lis.device.type == "cuda" else None
+        on_gpu = lis.device.type == "cuda" and hello.mover != "peer"
+        self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
         return plan, buf, group, sources
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
@@ -294,18 +343,26 @@ class _Session:
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         blocks = request.dst_blocks
         error = bad_blocks(blocks, plan, self.listener.caches)
-        entries = self.table.entries(blocks) if self.table is not None and not error else None
+        if buf is None:  # peer: the producer wrote them; it says when
+            note = self.conn.recv()
+            if not isinstance(note, P2PChunk) or note.index != 0:
+                raise ConnectionError(f"expected the request's only chunk, got {note}")
+            self.conn.send(P2PAck(index=0, error=error))
+            if not error:
+                self.listener.landed += 1
+            return
+        rows = self.table.rows(blocks) if self.table is not None and not error else None
 
         def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
             if error:
                 return error  # the bytes were drained, never written
             try:
                 base = chunk[0].offset
-                if entries is not None:  # one kernel over the chunk's runs
-                    table = chunk_table(entries, base, base + size_of(chunk), data.data_ptr(), into_buffer=False)
+                if rows is not None:  # one kernel over the chunk's runs
+                    first, stop = self.table.span(chunk, len(blocks))
                     from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-                    copy_runs(table.pin_memory().to(data.device, non_blocking=True), self.table.max_words)
+                    copy_runs(rows[first:stop], self.table.max_words, shift=data.data_ptr() - base, reverse=True)
                     return ""
                 for p in chunk:
                     unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,

@@ -3,8 +3,9 @@
 One TCP connection per (producer rank, consumer rank), opened by the producer at pairing.
 Frames are a 4-byte big-endian length and a msgpack-encoded tagged message, decoded
 strictly: anything else ends the connection. Payload bytes never ride this socket: they
-move over the pair's process group (Gloo for CPU caches, NCCL between two GPUs) or through
-a CUDA IPC mapping of the consumer's receive buffer (both ranks on one GPU).
+move over the pair's process group (Gloo for CPU caches, NCCL between two GPUs), through
+a CUDA IPC mapping of the consumer's receive buffer (both ranks on one GPU), or straight
+into the consumer's caches mapped the same way (``peer``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
     producer_rank: NonNegative
     units: list[str]
     mover: str
+    pid: NonNegative = 0  # the producer's process (CUDA IPC maps only another process's memory)
 
 
 class CudaIpcHandle(msgspec.Struct, kw_only=True, frozen=True):
@@ -42,14 +44,26 @@ class CudaIpcHandle(msgspec.Struct, kw_only=True, frozen=True):
     event_sync_required: bool
 
 
+class CacheMapping(msgspec.Struct, kw_only=True, frozen=True):
+    """One consumer cache to map (``peer``): its storage's handle, where the cache starts in
+    that storage, and its size in blocks and bytes."""
+
+    storage: CudaIpcHandle
+    byte_offset: NonNegative
+    num_blocks: NonNegative
+    nbytes: NonNegative
+
+
 class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
     """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, and
     how to reach it: the rendezvous file of the pair's process group, the buffer itself to
-    map (``ipc``), or its registered address in the consumer's Mooncake engine."""
+    map (``ipc``), the caches themselves (``peer``), or its registered address in the
+    consumer's Mooncake engine."""
 
     buffer_bytes: NonNegative = 0
     store_path: str = ""
     ipc: CudaIpcHandle | None = None
+    caches: dict[str, CacheMapping] = {}
     session: str = ""  # mooncake: the consumer's transfer engine and its registered buffer
     base: NonNegative = 0
     refused: str = ""

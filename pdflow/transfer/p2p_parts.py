@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pdflow.graph import CutPlan
 from pdflow.transfer.errors import TransferError
-from pdflow.transfer.p2p_messages import CudaIpcHandle
+from pdflow.transfer.p2p_messages import CacheMapping, CudaIpcHandle
 from pdflow.transfer.packing import Piece, pieces
 
 TRACE = os.environ.get("PDFLOW_P2P_TRACE") == "1"  # per-phase times of each request, on stderr
@@ -50,7 +50,7 @@ def device_identity(device: torch.device) -> str:
     return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
 
 
-def choose_mover(producer: str, consumer: str, backend: str = "nccl") -> str:
+def choose_mover(producer: str, consumer: str, backend: str = "nccl", peer_writes: bool = False) -> str:
     if backend == "mooncake":
         return "mooncake"  # through host staging, whatever the caches: Mooncake here moves host memory
     if producer == "cpu" and consumer == "cpu":
@@ -58,7 +58,51 @@ def choose_mover(producer: str, consumer: str, backend: str = "nccl") -> str:
     if "cpu" in (producer, consumer):
         raise TransferError(f"transfer=nccl moves between caches of one kind; producer on {producer}, "
                             f"consumer on {consumer}")
+    if peer_writes and (producer == consumer or peer_access(producer, consumer)):
+        return "peer"
     return "ipc" if producer == consumer else "nccl"
+
+
+def local_device(identity: str) -> torch.device | None:
+    """This process's CUDA device with that identity (``device_identity``), if it sees one."""
+    if identity.startswith("cuda:") and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if device_identity(torch.device("cuda", i)) == identity:
+                return torch.device("cuda", i)
+    return None
+
+
+def peer_access(producer: str, consumer: str) -> bool:
+    """Whether the producer's GPU can write the consumer's memory (both seen here, peers)."""
+    mine, theirs = local_device(producer), local_device(consumer)
+    return mine is not None and theirs is not None and torch.cuda.can_device_access_peer(mine, theirs)
+
+
+def enable_peer_access(mine: torch.device, theirs: torch.device) -> None:
+    """Let kernels on ``mine`` write ``theirs``'s memory: torch enables peer access the
+    first time it copies between two devices, both ways here."""
+    if mine != theirs:
+        a = torch.zeros(1, device=mine)
+        b = torch.zeros(1, device=theirs)
+        b.copy_(a)
+        a.copy_(b)
+        torch.cuda.synchronize(mine)
+
+
+def share_cache(cache: torch.Tensor) -> CacheMapping:
+    storage = cache.untyped_storage()
+    return CacheMapping(storage=share_ipc(torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)),
+                        byte_offset=cache.storage_offset() * cache.element_size(), num_blocks=cache.shape[0],
+                        nbytes=cache.numel() * cache.element_size())
+
+
+def map_cache(m: CacheMapping, device: torch.device, mapped: dict[bytes, torch.Tensor]) -> torch.Tensor:
+    """A consumer's cache as bytes [blocks, block bytes] in this process (each storage
+    mapped once: ``mapped`` keeps them, and keeps them alive)."""
+    if m.storage.handle not in mapped:
+        mapped[m.storage.handle] = map_ipc(m.storage, device)
+    raw = mapped[m.storage.handle][m.byte_offset:m.byte_offset + m.nbytes]
+    return raw.view(m.num_blocks, -1)
 
 
 def bound_plan(cut: CutPlan, sources: set[str]) -> CutPlan:
@@ -107,6 +151,7 @@ def share_ipc(buf: torch.Tensor) -> CudaIpcHandle:
 
 
 def map_ipc(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
+    """``h``'s buffer in this process (on ``device``: the GPU it lives on, as seen here)."""
     storage = torch.UntypedStorage._new_shared_cuda(device.index, h.handle, h.size, h.offset, h.ref_counter_handle,
                                                     h.ref_counter_offset, h.event_handle, h.event_sync_required)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
