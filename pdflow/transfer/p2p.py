@@ -98,7 +98,7 @@ class P2PPeer:
         if self.mover == "peer":  # the consumer's caches, mapped here; written by one kernel per request
             theirs = local_device(consumer_device)
             enable_peer_access(self.device, theirs)
-            self._mapped: dict[bytes, torch.Tensor] = {}
+            self._mapped: dict[tuple, torch.Tensor] = {}
             self.dst_caches = {n: map_cache(m, theirs, self._mapped) for n, m in ready.caches.items()}
             self.dst_table = RunTable(plan, self.dst_caches, "dst", device=self.device)
             self.buf, self.group = None, None

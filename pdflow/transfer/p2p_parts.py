@@ -96,12 +96,14 @@ def share_cache(cache: torch.Tensor) -> CacheMapping:
                         nbytes=cache.numel() * cache.element_size())
 
 
-def map_cache(m: CacheMapping, device: torch.device, mapped: dict[bytes, torch.Tensor]) -> torch.Tensor:
+def map_cache(m: CacheMapping, device: torch.device, mapped: dict[tuple, torch.Tensor]) -> torch.Tensor:
     """A consumer's cache as bytes [blocks, block bytes] in this process (each storage
-    mapped once: ``mapped`` keeps them, and keeps them alive)."""
-    if m.storage.handle not in mapped:
-        mapped[m.storage.handle] = map_ipc(m.storage, device)
-    raw = mapped[m.storage.handle][m.byte_offset:m.byte_offset + m.nbytes]
+    mapped once: ``mapped`` keeps them, and keeps them alive). Storages carved from one
+    allocation share its handle and differ in offset: the key is both."""
+    key = (m.storage.handle, m.storage.offset, m.storage.size)
+    if key not in mapped:
+        mapped[key] = map_ipc(m.storage, device)
+    raw = mapped[key][m.byte_offset:m.byte_offset + m.nbytes]
     return raw.view(m.num_blocks, -1)
 
 
