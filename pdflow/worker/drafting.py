@@ -152,6 +152,24 @@ class Drafting:
         for b, sid in enumerate(msg.sample_seq_ids):
             self.proposed[sid] = (out.drafts[b], None if proposal.probs is None else proposal.probs[b])
 
+    def begin_graphed(self, msg: StepInput, starts: list[int]) -> None:
+        """Before a captured drafted step (``drafted_graphs``) writes the step's context
+        entries: the host part of ``step`` up to the write (releases, the ledger's record,
+        which refuses a gap before anything is written)."""
+        self._release(msg.released_seq_ids)
+        self.drafter.record_context_write(msg.seq_ids, msg.cu_seqlens_q, starts, msg.next_token_ids)
+
+    def finish_graphed(self, msg: StepInput, starts: list[int], emitted: list[list[int]],
+                       logprobs: list[list[float]], drafts: list[list[int]]) -> DraftedStep:
+        """After a captured drafted step: the host part of ``step`` past verification
+        (commit, the proposal's ledger check, the drafts kept for the next step)."""
+        committed = [start + len(run) for start, run in zip(starts, emitted, strict=True)]
+        self.drafter.commit(msg.seq_ids, committed)
+        self.drafter.require_context(msg.seq_ids, committed)
+        for sid, run in zip(msg.seq_ids, drafts, strict=True):
+            self.proposed[sid] = (run, None)
+        return DraftedStep(tokens=emitted, logprobs=logprobs, drafts=drafts)
+
     def _release(self, seq_ids: list[str]) -> None:
         self.drafter.release(seq_ids)
         for sid in seq_ids:
