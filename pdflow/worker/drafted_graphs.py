@@ -42,7 +42,7 @@ def drafted_step(runner: StageRunner, drafting: Drafting, packed: torch.Tensor, 
     tables = packed[3 * rows: 3 * rows + batch * width].view(batch, width).to(torch.int32)
     meta = AttentionMetadata(  # one decode row per token over its causal prefix (stage_runner)
         decode_only=True, slot_mapping=slots, cu_seqlens_q=cu,
-        context_lens=(positions + 1).to(torch.int32), block_tables=tables.repeat_interleave(k1, dim=0),
+        context_lens=(positions + 1).to(torch.int32), block_tables=tables[:, None].expand(-1, k1, -1).reshape(rows, -1),
         max_seqlen_q=1, sequence_block_tables=tables,
     )
     hidden, taps = runner.forward(ids, positions, meta)

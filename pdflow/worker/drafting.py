@@ -89,10 +89,10 @@ class Drafting:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
-    def _sampling(self, msg: StepInput) -> tuple[SamplingBatch | None, torch.Generator]:
-        default = make_generator(self.seed * STREAM + msg.step, self.device)
+    def _sampling(self, msg: StepInput) -> tuple[SamplingBatch | None, torch.Generator | None]:
         if all(p.greedy for p in msg.sampling):
-            return None, default
+            return None, None  # nothing is drawn: no generator to build
+        default = make_generator(self.seed * STREAM + msg.step, self.device)
         gens = []
         for sid, p in zip(msg.sample_seq_ids, msg.sampling, strict=True):
             if p.seed is not None and sid not in self.generators:
@@ -104,7 +104,7 @@ class Drafting:
         ), default
 
     def _verify(self, msg: StepInput, ids: torch.Tensor, hidden: torch.Tensor, compute_logits,
-                sampling: SamplingBatch | None, default: torch.Generator) -> DraftedStep:
+                sampling: SamplingBatch | None, default: torch.Generator | None) -> DraftedStep:
         if not msg.sample_seq_ids:
             return DraftedStep(tokens=[], logprobs=[], drafts=[])
         counts = _drafts_of(msg)
@@ -138,7 +138,7 @@ class Drafting:
 
     def _propose(self, msg: StepInput, out: DraftedStep, anchors: list[int], rows: list[int],
                  block_tables: torch.Tensor, anchor_features: torch.Tensor, sampling: SamplingBatch | None,
-                 default: torch.Generator) -> None:
+                 default: torch.Generator | None) -> None:
         proposal = self.drafter.propose(ProposeBatch(
             seq_ids=list(msg.sample_seq_ids),
             anchor_ids=torch.tensor([t[-1] for t in out.tokens], dtype=torch.int64, device=self.device),
