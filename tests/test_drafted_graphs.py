@@ -18,7 +18,7 @@ from pdflow.worker.drafted_graphs import DraftedGraphRunner
 
 BASE = ["mode=monolithic", "prefill=tp1", "decode=tp1", "tracking=off", "drafter=dspark"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-PROMPTS = [it.prompt for it in arith_eval_set(3, k_shot=5, seed=11)]  # bucket 4: one padding sequence
+PROMPTS = [it.prompt for it in arith_eval_set(3, k_shot=2, seed=11)]  # bucket 4: one padding sequence
 
 
 def _summary(outs):

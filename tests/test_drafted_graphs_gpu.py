@@ -38,9 +38,10 @@ def test_captured_drafted_steps_replay_and_equal_eager_dspark():
     assert not any(r.drafted_graph for r in eager_recs)
     drafted = [r for r in recs if r.drafted]
     through = [r for r in drafted if r.drafted_graph]
-    # Every step that verified k drafts for each request went through the graphs: all but
-    # the few near max_tokens (fewer drafts) and those with a request just admitted.
-    assert len(through) >= len(drafted) // 2 > 0
+    # Steps where every request verifies k drafts go through the graphs; not those that
+    # also prefill a chunk (five ~1.7K-token prompts share a 2048-token budget) nor those
+    # near max_tokens (fewer drafts).
+    assert len(through) >= len(drafted) // 3 > 0
     assert all(r.graphed and not r.ops for r in through)  # a replayed graph calls no attention op
     assert sum(o[1] for o in graphed) > 0
     assert graphed == eager
