@@ -81,6 +81,7 @@ class DraftedGraphRunner:
         self.host_in = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.host_out = torch.zeros((n, 3 * k1), dtype=torch.float64, pin_memory=pin)
         self.cu = torch.arange(n * k1 + 1, dtype=torch.int32, device=dev)
+        self.pad_positions = list(range(k1)) * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -111,8 +112,7 @@ class DraftedGraphRunner:
         if not self.capturing:
             return
         for bs in reversed(self.buckets):
-            self._fill_padding(0, bs)  # each bucket reads its own layout of the buffer
-            size = bs * (3 * (self.k + 1) + self.width)
+            size = self._fill(bs, [], [], [], [])  # all padding, in this bucket's layout
             self.packed[:size].copy_(self.host_in[:size])
             torch.cuda.synchronize(self.device)
             self._step(bs)  # warm-up: kernels compile outside the capture
@@ -129,32 +129,19 @@ class DraftedGraphRunner:
         self.outputs.clear()
         self.pool = None
 
-    def _fill_padding(self, bs: int, bucket: int) -> None:
-        """Sequences [bs, bucket) of the host buffer: ids 0, positions 0..k, slot -1,
-        block table 0 (reads block 0, writes nothing)."""
+    def _fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int],
+              tables: list[list[int]]) -> int:
+        """A step's sequences into the host buffer in the bucket's layout, the rest of the
+        bucket padding (ids 0, positions 0..k, slot -1: reads block 0, writes nothing);
+        how many values the layout holds. Three host copies, whatever the batch."""
         k1, width = self.k + 1, self.width
-        rows, n = bucket * k1, bs * k1
+        rows, pad = bucket * k1, bucket * k1 - len(ids)
         view = self.host_in[: 3 * rows + bucket * width]
-        view[n:rows] = 0
-        view[rows + n: 2 * rows] = torch.arange(k1).repeat(bucket - bs)
-        view[2 * rows + n: 3 * rows] = -1
-        view[3 * rows + bs * width:] = 0
-
-    def _fill(self, msg: StepInput, bucket: int) -> int:
-        """The step into the host buffer in the bucket's layout; how many values it holds."""
-        bs, k1, width = len(msg.seq_ids), self.k + 1, self.width
-        rows, n = bucket * k1, bs * k1
-        view = self.host_in[: 3 * rows + bucket * width]
-        tables = msg.block_tables
-        have = len(tables[0])
-        view[:n] = torch.tensor(msg.token_ids)
-        view[rows: rows + n] = torch.tensor(msg.positions)
-        view[2 * rows: 2 * rows + n] = torch.tensor(msg.slot_mapping)
-        view[3 * rows: 3 * rows + bs * width].view(bs, width)[:, :have] = torch.tensor(tables)
-        if have < width:
-            view[3 * rows: 3 * rows + bs * width].view(bs, width)[:, have:] = 0
-        if bs < bucket:
-            self._fill_padding(bs, bucket)
+        view[: 3 * rows] = torch.tensor(ids + [0] * pad + positions + self.pad_positions[:pad] + slots + [-1] * pad)
+        grid = view[3 * rows:].view(bucket, width)
+        grid.zero_()
+        if tables:
+            grid[: len(tables), : len(tables[0])] = torch.tensor(tables)
         return view.numel()
 
     @torch.inference_mode()
@@ -164,7 +151,7 @@ class DraftedGraphRunner:
         if self.capturing and not self.graphs:
             self.capture()
         bucket = next(b for b in self.buckets if b >= len(msg.seq_ids))
-        size = self._fill(msg, bucket)
+        size = self._fill(bucket, msg.token_ids, msg.positions, msg.slot_mapping, msg.block_tables)
         self.packed[:size].copy_(self.host_in[:size], non_blocking=True)
         self.replays += 1
         if self.capturing:
