@@ -63,9 +63,10 @@ def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list
             f"{weights.name if weights else 'random'} |")
 
 
-def speed(args, kind: str, batch: int, prompts: list[str]) -> tuple[float, str]:
+def speed(args, kind: str, batch: int, prompts: list[str]) -> tuple[float, str, str]:
     """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored),
-    and what the timed run's steps did (paths, graphed, kernels built, slowest step)."""
+    how many of its drafted steps ran whole as a captured graph ("m/n"), and what the
+    timed run's steps did (paths, graphed, kernels built, slowest step)."""
     params = SamplingParams(temperature=0.0, max_tokens=args.speed_tokens, ignore_eos=True)
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
     overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}"]
@@ -82,7 +83,9 @@ def speed(args, kind: str, batch: int, prompts: list[str]) -> tuple[float, str]:
             outs = d.generate(chosen, params)
             elapsed = time.perf_counter() - start
     rate = sum(len(o.token_ids) for o in outs) / elapsed
-    return rate, f"- batch {batch} {kind}: {trace.summary()}"
+    drafted = [r for r in trace.records if r.drafted]
+    graphed = f"{sum(r.drafted_graph for r in drafted)}/{len(drafted)}"
+    return rate, graphed, f"- batch {batch} {kind}: {trace.summary()}"
 
 
 def main() -> None:
@@ -118,17 +121,18 @@ def acceptance_table(args, kinds: list[str], prompts: list[str]) -> None:
 
 def speed_table(args, kinds: list[str], prompts: list[str]) -> None:
     print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
-    print("| batch | none | " + " | ".join(f"{k} | {k}/none" for k in kinds) + " |")
-    print("|---|---|" + "---|---|" * len(kinds))
+    print("(drafted graphs: the timed run's drafted steps that ran whole as one captured graph)")
+    print("| batch | none | " + " | ".join(f"{k} | {k}/none | {k} drafted graphs" for k in kinds) + " |")
+    print("|---|---|" + "---|---|---|" * len(kinds))
     traces = []
     for batch in (int(b) for b in args.batches.split(",") if b):
-        base, trace = speed(args, "none", batch, prompts)
+        base, _, trace = speed(args, "none", batch, prompts)
         traces.append(trace)
         cells = []
         for kind in kinds:
-            rate, trace = speed(args, kind, batch, prompts)
+            rate, graphed, trace = speed(args, kind, batch, prompts)
             traces.append(trace)
-            cells.append(f"{rate:.1f} | {rate / base:.2f}x")
+            cells.append(f"{rate:.1f} | {rate / base:.2f}x | {graphed}")
         print(f"| {batch} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)
     print("\n# the timed runs' steps (paths: stage_runner; a replayed graph calls no attention op)")
     print("\n".join(traces))

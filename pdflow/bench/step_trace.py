@@ -1,6 +1,8 @@
 """What each step of a one-process instance ran, for the speed scripts: which attention
 path (prefill tiles, decode, decode rows), how many rows, whether a CUDA graph replayed
-it, which attention ops ran eagerly (a replayed graph calls none), its wall time, and
+it (and, for a step that verified drafts, whether the whole drafted step did: verify,
+context write and proposal), which attention ops ran eagerly (a replayed graph calls
+none), its wall time, and
 how many Triton kernels were built (compiled or loaded) meanwhile, so one GPU run shows
 whether a timing held a compile or a step the warm-up never took.
 """
@@ -32,11 +34,14 @@ class StepRecord:
     graphed: bool
     ms: float
     ops: dict[str, int] = field(default_factory=dict)
+    drafted: bool = False  # the step verified drafts
+    drafted_graph: bool = False  # ... and ran whole through the drafted-step graphs
 
     def line(self) -> str:
         ops = " ".join(f"{k.split('_')[0]}={v}" for k, v in sorted(self.ops.items())) or "none"
+        how = "drafted graph" if self.drafted_graph else ("graphed" if self.graphed else "eager")
         return (f"step {self.step}: {self.path} {self.seqs} seqs {self.rows} rows (longest {self.longest}), "
-                f"{'graphed' if self.graphed else 'eager'}, {self.ms:.2f} ms, eager attention ops: {ops}")
+                f"{how}, {self.ms:.2f} ms, eager attention ops: {ops}")
 
 
 def step_path(step: StepInput) -> tuple[str, int, int]:
@@ -105,13 +110,21 @@ class StepTrace:
 
     def _execute(self, step: StepInput):
         self._counts.clear()
+        replays = self._drafted_replays()
         start = time.perf_counter()
         out = InProcessExecutor.execute(self.executor, step)
         ms = 1e3 * (time.perf_counter() - start)
         path, rows, longest = step_path(step)
         self.records.append(StepRecord(step=step.step, seqs=len(step.seq_ids), rows=rows, longest=longest,
-                                       path=path, graphed=out.cuda_graph, ms=ms, ops=dict(self._counts)))
+                                       path=path, graphed=out.cuda_graph, ms=ms, ops=dict(self._counts),
+                                       drafted=any(step.num_drafts),
+                                       drafted_graph=self._drafted_replays() > replays))
         return out
+
+    def _drafted_replays(self) -> int:
+        stage = self.executor.stage
+        runner = None if stage is None else stage.drafted_graphs
+        return 0 if runner is None else runner.replays
 
     def kernels_built(self) -> int | None:
         """Triton kernels built since attaching (None under the interpreter)."""
@@ -132,6 +145,8 @@ class StepTrace:
         built = self.kernels_built()
         return (f"{len(recs)} steps ({sum(r.graphed for r in recs)} graphed); "
                 + ", ".join(f"{p} x{n} ({graphed[p]} graphed)" for p, n in sorted(paths.items()))
+                + f"; drafted steps: {sum(r.drafted for r in recs)} "
+                + f"({sum(r.drafted_graph for r in recs)} in drafted graphs)"
                 + "; eager attention ops: " + (" ".join(f"{k}={v}" for k, v in sorted(ops.items())) or "none")
                 + f"; triton kernels built: {'n/a' if built is None else built}"
                 + f"; slowest: {slow.path} {slow.rows} rows {'graphed' if slow.graphed else 'eager'} {slow.ms:.1f} ms")

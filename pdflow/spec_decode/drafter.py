@@ -111,6 +111,10 @@ class Drafter(nn.Module):
     context_kv_only: ClassVar[bool]
     # Entries lag tokens by this much: a chain drafter's entry t needs token t+1.
     context_lag: ClassVar[int]
+    # Whether a steady greedy step's context write and proposal run from device tensors
+    # alone (``write_context_device``, ``propose_device``: no host read, no ledger), so a
+    # worker may capture them in a CUDA graph and keep the ledger itself.
+    graphable: ClassVar[bool] = False
 
     def __init__(self, config: DrafterConfig, draft_units: Sequence[UnitSpec], *, tp_rank: int = 0,
                  tp_size: int = 1):
@@ -174,26 +178,40 @@ class Drafter(nn.Module):
 
     def write_context_kv(self, batch: ContextBatch) -> None:
         """Write this forward's context entries into the draft pool."""
-        width = batch.features.shape[-1]
+        self.check_features(batch.features)
+        self.record_context_write(batch.seq_ids, batch.cu_seqlens, batch.start_positions, batch.next_token_ids)
+        self._write_context(batch)
+
+    def check_features(self, features: torch.Tensor) -> None:
+        width = features.shape[-1]
         if width != self.config.feature_size:
             reads = (f"taps {list(self.tap_layers)} side by side" if self.tap_layers
                      else "the target's final hidden state")
             raise ContextFeatureMismatch(
                 f"{self.kind} drafter reads {reads} ({self.config.feature_size} wide), got {width}"
             )
-        cu = batch.cu_seqlens
-        for i, sid in enumerate(batch.seq_ids):
-            start = batch.start_positions[i]
+
+    def record_context_write(self, seq_ids: Sequence[str], cu_seqlens: Sequence[int],
+                             start_positions: Sequence[int], next_token_ids: Sequence[int] | None = None) -> None:
+        """The ledger's part of ``write_context_kv`` (host ints; raises ``ContextGap``
+        before anything is written). A worker that writes through ``write_context_device``
+        calls it itself."""
+        cu = cu_seqlens
+        for i, sid in enumerate(seq_ids):
+            start = start_positions[i]
             end = start + cu[i + 1] - cu[i]
             stop = end
-            if self.context_lag and (batch.next_token_ids is None or batch.next_token_ids[i] < 0):
+            if self.context_lag and (next_token_ids is None or next_token_ids[i] < 0):
                 stop -= self.context_lag
             self.ledger.wrote(sid, start, stop, end)
-        self._write_context(batch)
+
+    def require_context(self, seq_ids: Sequence[str], anchor_positions: Sequence[int]) -> None:
+        """The ledger's check before a proposal from each anchor: its context is committed."""
+        for sid, pos in zip(seq_ids, anchor_positions, strict=True):
+            self.ledger.require(sid, pos - self.context_lag, "propose")
 
     def propose(self, batch: ProposeBatch) -> Proposal:
-        for sid, pos in zip(batch.seq_ids, batch.anchor_positions, strict=True):
-            self.ledger.require(sid, pos - self.context_lag, "propose")
+        self.require_context(batch.seq_ids, batch.anchor_positions)
         proposal = self._propose(batch)
         if self.context_lag:
             for sid, pos in zip(batch.seq_ids, batch.anchor_positions, strict=True):
@@ -224,6 +242,19 @@ class Drafter(nn.Module):
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self.ledger.release(seq_ids)
+
+    # -- device-only parts (``graphable`` drafters) ---------------------------------------
+
+    def write_context_device(self, features: torch.Tensor, positions: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+        """``write_context_kv`` without the ledger (the caller records the entries)."""
+        raise NotImplementedError(f"{self.kind} drafter cannot write its context from device tensors alone")
+
+    def propose_device(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+                       block_tables: torch.Tensor, num_drafts: int) -> Proposal:
+        """A greedy ``propose`` from device tensors (anchor_positions [B] int64), without
+        the ledger (the caller checks ``require_context`` once the positions are known)."""
+        raise NotImplementedError(f"{self.kind} drafter cannot propose from device tensors alone")
 
     # -- per kind ----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class DSparkDrafter(Drafter):
     kind = "dspark"
     context_kv_only = True
     context_lag = 0
+    graphable = True
 
     def __init__(self, config: DrafterConfig, draft_units: Sequence[UnitSpec], *, tp_rank: int = 0,
                  tp_size: int = 1):
@@ -55,19 +56,32 @@ class DSparkDrafter(Drafter):
     # -- serving (paged) ---------------------------------------------------------------
 
     def _write_context(self, batch: ContextBatch) -> None:
-        c = self.context_features(batch.features)
+        self.write_context_device(batch.features, batch.positions, batch.slot_mapping)
+
+    def write_context_device(self, features: torch.Tensor, positions: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+        c = self.context_features(features)
         for row, layer in enumerate(self.layers):
-            k, v = layer.kv(c, batch.positions, self.rotary)
+            k, v = layer.kv(c, positions, self.rotary)
             k_cache, v_cache = self._cache(row)
-            self.backend.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            self.backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def _propose(self, batch: ProposeBatch) -> Proposal:
-        b, k = len(batch.seq_ids), batch.num_drafts
-        device = batch.anchor_ids.device
-        anchor = torch.tensor(batch.anchor_positions, dtype=torch.int64, device=device)
+        anchor = torch.tensor(batch.anchor_positions, dtype=torch.int64, device=batch.anchor_ids.device)
+        return self._block_pass(batch.anchor_ids, anchor, batch.block_tables, batch.num_drafts,
+                                batch.sampling, batch.generator)
+
+    def propose_device(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+                       block_tables: torch.Tensor, num_drafts: int) -> Proposal:
+        return self._block_pass(anchor_ids, anchor_positions, block_tables, num_drafts, None, None)
+
+    def _block_pass(self, anchor_ids: torch.Tensor, anchor: torch.Tensor, block_tables: torch.Tensor, k: int,
+                    sampling, generator) -> Proposal:
+        """The block pass from device tensors only (anchor [B] int64 positions)."""
+        b, device = anchor_ids.shape[0], anchor_ids.device
         positions = (anchor[:, None] + torch.arange(k, device=device)).reshape(-1)
         context_lens = anchor.to(torch.int32)
-        x = self.block_inputs(batch.anchor_ids, k).reshape(b * k, -1)
+        x = self.block_inputs(anchor_ids, k).reshape(b * k, -1)
         for row, layer in enumerate(self.layers):
             a = layer.self_attn
             q, kb, vb = layer.qkv(x, positions, self.rotary)
@@ -77,11 +91,11 @@ class DSparkDrafter(Drafter):
                 kb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # the kernel wants one
                 vb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # stride for both
                 k_cache, v_cache, context_lens,
-                batch.block_tables, a.scale,
+                block_tables, a.scale,
             )
             x = layer.finish(x, attn.reshape(b * k, a.num_heads, a.head_dim))
         logits = self.logits(self.norm(x)).view(b, k, -1)
-        tokens, probs = draft_tokens(logits, batch.sampling, batch.generator)
+        tokens, probs = draft_tokens(logits, sampling, generator)
         return Proposal(tokens=tokens, probs=probs, logits=logits)
 
     # -- training (dense) --------------------------------------------------------------

@@ -89,10 +89,10 @@ class Drafting:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
-    def _sampling(self, msg: StepInput) -> tuple[SamplingBatch | None, torch.Generator]:
-        default = make_generator(self.seed * STREAM + msg.step, self.device)
+    def _sampling(self, msg: StepInput) -> tuple[SamplingBatch | None, torch.Generator | None]:
         if all(p.greedy for p in msg.sampling):
-            return None, default
+            return None, None  # nothing is drawn: no generator to build
+        default = make_generator(self.seed * STREAM + msg.step, self.device)
         gens = []
         for sid, p in zip(msg.sample_seq_ids, msg.sampling, strict=True):
             if p.seed is not None and sid not in self.generators:
@@ -104,7 +104,7 @@ class Drafting:
         ), default
 
     def _verify(self, msg: StepInput, ids: torch.Tensor, hidden: torch.Tensor, compute_logits,
-                sampling: SamplingBatch | None, default: torch.Generator) -> DraftedStep:
+                sampling: SamplingBatch | None, default: torch.Generator | None) -> DraftedStep:
         if not msg.sample_seq_ids:
             return DraftedStep(tokens=[], logprobs=[], drafts=[])
         counts = _drafts_of(msg)
@@ -138,7 +138,7 @@ class Drafting:
 
     def _propose(self, msg: StepInput, out: DraftedStep, anchors: list[int], rows: list[int],
                  block_tables: torch.Tensor, anchor_features: torch.Tensor, sampling: SamplingBatch | None,
-                 default: torch.Generator) -> None:
+                 default: torch.Generator | None) -> None:
         proposal = self.drafter.propose(ProposeBatch(
             seq_ids=list(msg.sample_seq_ids),
             anchor_ids=torch.tensor([t[-1] for t in out.tokens], dtype=torch.int64, device=self.device),
@@ -151,6 +151,24 @@ class Drafting:
         out.drafts = proposal.tokens.tolist()
         for b, sid in enumerate(msg.sample_seq_ids):
             self.proposed[sid] = (out.drafts[b], None if proposal.probs is None else proposal.probs[b])
+
+    def begin_graphed(self, msg: StepInput, starts: list[int]) -> None:
+        """Before a captured drafted step (``drafted_graphs``) writes the step's context
+        entries: the host part of ``step`` up to the write (releases, the ledger's record,
+        which refuses a gap before anything is written)."""
+        self._release(msg.released_seq_ids)
+        self.drafter.record_context_write(msg.seq_ids, msg.cu_seqlens_q, starts, msg.next_token_ids)
+
+    def finish_graphed(self, msg: StepInput, starts: list[int], emitted: list[list[int]],
+                       logprobs: list[list[float]], drafts: list[list[int]]) -> DraftedStep:
+        """After a captured drafted step: the host part of ``step`` past verification
+        (commit, the proposal's ledger check, the drafts kept for the next step)."""
+        committed = [start + len(run) for start, run in zip(starts, emitted, strict=True)]
+        self.drafter.commit(msg.seq_ids, committed)
+        self.drafter.require_context(msg.seq_ids, committed)
+        for sid, run in zip(msg.seq_ids, drafts, strict=True):
+            self.proposed[sid] = (run, None)
+        return DraftedStep(tokens=emitted, logprobs=logprobs, drafts=drafts)
 
     def _release(self, seq_ids: list[str]) -> None:
         self.drafter.release(seq_ids)

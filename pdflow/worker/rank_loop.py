@@ -64,6 +64,11 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 continue
             if not isinstance(msg, StepInput):
                 raise TypeError(f"rank {me.label} got {type(msg).__name__}, expected StepInput")
+            drafted = stage.replay_drafted(msg)  # a whole model's steady drafted step, graphed
+            if drafted is not None:
+                if topo.is_driver:
+                    channel.send(stage.answer(msg, None, None, True, drafted))
+                continue
             runner = stage.runner
             ids, positions, meta = runner.tensors(msg)
             taps_in = None

@@ -8,6 +8,7 @@ units, taps, block count) it asks the run graph.
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,11 @@ from pdflow.parallel.messages import KVExport, StepInput, StepOutput
 from pdflow.spec import ParallelSpec
 from pdflow.spec_decode import duties
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
+from pdflow.worker.drafted_graphs import DraftedGraphRunner
 from pdflow.worker.drafter_build import build_rank_drafter
 from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
-from pdflow.worker.stage_runner import StageRunner
+from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
 
 # Tokens of the start-up prefill: enough to take the kernels' prefill paths.
 WARM_UP_TOKENS = 512
@@ -100,6 +102,17 @@ class Stage:
     # per-step part and its draft KV pool (units exported like the target's).
     drafting: Drafting | None = None
     draft_kv: KVCacheBinding | None = None
+    # Steady drafted steps (verify, context write, propose) as CUDA graphs, when this stage
+    # is the whole model and its drafter proposes from device tensors alone.
+    drafted_graphs: DraftedGraphRunner | None = None
+
+    def replay_drafted(self, step: StepInput) -> DraftedStep | None:
+        """A steady drafted step through the drafted graphs (its whole forward, drafting
+        included); None when it is not one, and the step runs as usual."""
+        runner = self.drafted_graphs
+        if runner is None or not runner.applies(step):
+            return None
+        return runner.run(step)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta,
                 taps_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -136,6 +149,14 @@ class Stage:
         self.runner.forward(inputs, torch.arange(n, device=device), meta, taps)
         if self.graphs is not None:
             self.graphs.capture()
+        if self.drafted_graphs is not None:
+            try:
+                self.drafted_graphs.capture()
+            except Exception as exc:  # a drafted step that cannot be captured costs speed only
+                warnings.warn(f"drafted steps run eagerly: capturing them failed ({type(exc).__name__}: "
+                              f"{str(exc)[:300]})", RuntimeWarning, stacklevel=2)
+                self.drafted_graphs.release()
+                self.drafted_graphs = None
         torch.cuda.synchronize(device)
 
     def export(self, exports: list[KVExport]) -> dict[str, str]:
@@ -182,13 +203,15 @@ class Stage:
             self.link = None
         if self.graphs is not None:
             self.graphs.release()
+        if self.drafted_graphs is not None:
+            self.drafted_graphs.release()
         device = self.runner.device
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
         self.kv.caches.clear()
         if self.draft_kv is not None:
             self.draft_kv.caches.clear()
-        self.graphs = self.model = self.runner = self.drafting = self.draft_kv = None
+        self.graphs = self.model = self.runner = self.drafting = self.draft_kv = self.drafted_graphs = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -231,8 +254,23 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
             runner, max_batch=rows, block_table_width=width,
             hidden_size=hidden_in, relayed_in=relayed_in, dtype=dtype,
         )
+    drafted_graphs = None
+    if graphs is not None and first and drafting is not None:
+        drafted_graphs = drafted_graph_runner(runner, drafting, par, width)
     pool_tokens = graph.budgets[role].pool_blocks * par.block_size
     warm = min(WARM_UP_TOKENS, par.max_num_batched_tokens, pool_tokens)
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
                  graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm,
-                 drafting=drafting, draft_kv=draft_kv)
+                 drafting=drafting, draft_kv=draft_kv, drafted_graphs=drafted_graphs)
+
+
+def drafted_graph_runner(runner: StageRunner, drafting: Drafting, par: ParallelSpec,
+                         width: int) -> DraftedGraphRunner | None:
+    """Drafted-step graphs for a stage that is the whole model, when its drafter is
+    ``graphable`` and keeps its drafts (a consumer); batches up to what one step's token
+    budget and MAX_GRAPH_ROWS hold at k+1 rows a sequence."""
+    k1 = drafting.num_drafts + 1
+    if not (drafting.drafter.graphable and drafting.duties.keep_drafts and k1 <= ROWS_AS_DECODE):
+        return None
+    fits = min(par.max_num_seqs, par.max_num_batched_tokens // k1, MAX_GRAPH_ROWS // k1)
+    return DraftedGraphRunner(runner, drafting, max_batch=fits, block_table_width=width) if fits > 0 else None
