@@ -6,12 +6,17 @@ refused or resolved off."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
+import torch
 
 from pdflow import LLM, SamplingParams
 from pdflow.engine import llm_engine
+from pdflow.engine.block_manager import BlockManager
+from pdflow.engine.scheduler import Scheduler
+from pdflow.engine.sequence import Sequence
 from pdflow.engine.step_input import build_step_input
 from pdflow.graph import Code, build_graph, overlap_scheduling
 from pdflow.model.hf_checkpoint import write_random_checkpoint
@@ -31,9 +36,9 @@ def folder(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3", init_std=0.3, seed=2)
 
 
-def make_llm(folder, overlap: bool) -> LLM:
+def make_llm(folder, overlap: bool | None, device: str = "cpu") -> LLM:
     spec = ParallelSpec(block_size=16, kv_page_tokens=8, num_kv_blocks=48, max_num_batched_tokens=64,
-                        overlap_scheduling=overlap)
+                        overlap_scheduling=overlap, device=device)
     return LLM(str(folder), spec, dtype="float32")
 
 
@@ -129,7 +134,7 @@ def test_overlap_gives_the_tokens_of_the_synchronous_engine(llms, plain_run, mon
     assert len(got["r5"][0]) == ABORT_AFTER
     assert got["r1"][2] == got["r3"][2] == "length" and len(got["r3"][0]) == 1
     # The run did overlap: decodes read in-flight samples beside prefill chunks.
-    assert any(s.placeholder_rows and max(b - a for a, b in zip(s.cu_seqlens_q, s.cu_seqlens_q[1:])) > 1
+    assert any(s.placeholder_rows and max(b - a for a, b in itertools.pairwise(s.cu_seqlens_q)) > 1
                for s in steps)
     # max_tokens is known ahead: no request is sampled past it (a stop or abort may cost one).
     sampled = {rid: sum(rid in s.sample_seq_ids for s in steps) for rid in want}
@@ -176,7 +181,8 @@ def check_gathered(seen, llm, outputs) -> int:
     tokens = {rid: p + outputs[rid][0] for rid, p in zip(outputs, prompts(), strict=True)}
     checked = 0
     for step, ids in seen:
-        owner = [rid for rid, a, b in zip(step.seq_ids, step.cu_seqlens_q, step.cu_seqlens_q[1:]) for _ in range(b - a)]
+        spans = itertools.pairwise(step.cu_seqlens_q)
+        owner = [rid for rid, (a, b) in zip(step.seq_ids, spans, strict=True) for _ in range(b - a)]
         for row in step.placeholder_rows:
             known = tokens[owner[row]]
             pos = step.positions[row]
@@ -199,6 +205,35 @@ def test_a_request_finished_in_flight_keeps_its_blocks_until_that_step_is_back(l
     assert not seq.block_table and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
+def _submitted(batch, number: int) -> None:
+    """What submitting a step does to its sequences (LLMEngine._fill_pipeline)."""
+    for index, seq in enumerate(batch.seqs):
+        seq.in_flight, seq.last_step = True, number
+        seq.sampled_at, seq.sample_index = number, index
+
+
+def test_scheduler_runs_ahead_within_max_tokens_and_preempts_nothing_in_flight():
+    blocks = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(blocks, max_num_batched_tokens=64, max_num_seqs=8, overlap=True)
+    a = Sequence(request_id="a", token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=2))
+    b = Sequence(request_id="b", token_ids=[1, 2, 3, 4], num_prompt_tokens=4, sampling=SamplingParams(max_tokens=9))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert first.seqs == [a, b] and first.ahead == [False, False] and blocks.num_free_blocks == 0
+    _submitted(first, 0)
+    # a decodes its in-flight token at position 3 (its block has room); b would need a
+    # second block and every other sequence is in flight: b waits, nobody is preempted.
+    second = sched.schedule()
+    assert second.seqs == [a] and second.ahead == [True] and b.num_preemptions == 0
+    step, _ = build_step_input(second, block_size=4, step=1, released=[])
+    assert (step.placeholder_rows, step.placeholder_samples, step.placeholder_step) == ([0], [0], 0)
+    assert step.positions == [3] and step.token_ids == [0]
+    _submitted(second, 1)
+    a.num_computed_tokens, a.token_ids = 3, [1, 2, 3, 7]  # step 0 collected: a has 1 of 2 tokens
+    assert not sched.runs_ahead(a)  # its second token is in flight: a third would pass max_tokens
+
+
 def test_overlap_resolves_on_only_where_it_can_run():
     def spec(*overrides):
         return compose_spec(["drafter=none", "decode=tp1", *overrides])
@@ -212,3 +247,20 @@ def test_overlap_resolves_on_only_where_it_can_run():
     refused = build_graph(spec("decode.pp=2", "decode.overlap_scheduling=true")).validate()
     assert [r.code for r in refused] == [Code.OVERLAP_UNSUPPORTED]
     assert "decode.overlap_scheduling" in refused[0].fix
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_overlap_with_graphs_gives_the_synchronous_tokens(folder):
+    """On CUDA (auto: on), decode steps replay graphs whose input ids were gathered on the
+    device from the step before; the outputs equal overlap off's."""
+    off, on = make_llm(folder, False, "cuda"), make_llm(folder, None, "cuda")
+    try:
+        assert on.engine.executor.overlap and not off.engine.executor.overlap
+        plain = run(off, {}, set(), abort=False)
+        stops, eos, _ = stops_from(plain)
+        assert_same(run(off, stops, eos), run(on, stops, eos))
+        assert on.engine.graph_steps > 0
+    finally:
+        off.shutdown()
+        on.shutdown()
