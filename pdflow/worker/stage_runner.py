@@ -41,8 +41,12 @@ class StageRunner:
         self.generators: dict[str, torch.Generator] = {}
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        """On CUDA through pinned memory: the copy is queued without waiting for the device
+        (under overlap scheduling the host builds this step while the last one runs)."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     def tensors(
         self, step: StepInput, samples: torch.Tensor | None = None,
