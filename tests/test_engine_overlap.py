@@ -37,7 +37,8 @@ def folder(tmp_path_factory):
 
 
 def make_llm(folder, overlap: bool | None, device: str = "cpu") -> LLM:
-    spec = ParallelSpec(block_size=16, kv_page_tokens=8, num_kv_blocks=48, max_num_batched_tokens=64,
+    block, page = (16, 8) if device == "cpu" else (32, 16)  # test_engine_gpu's CUDA pages
+    spec = ParallelSpec(block_size=block, kv_page_tokens=page, num_kv_blocks=48, max_num_batched_tokens=64,
                         overlap_scheduling=overlap, device=device)
     return LLM(str(folder), spec, dtype="float32")
 
