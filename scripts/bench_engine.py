@@ -9,6 +9,7 @@ of it, start-up, first vs second full run, time to the first tokens and the deco
 Each row fails on its own (the table says why); the table comes last.
 
     python scripts/bench_engine.py --shape qwen3-0.6b,llama3-8b --fused both   # H200, ~3 min
+    python scripts/bench_engine.py --shape qwen3-0.6b --overlap both            # overlap on vs off
     python scripts/bench_engine.py --shape tiny --device cpu                     # CPU
     python scripts/bench_engine.py --model PATH --batch 8 --prompt-len 256 --output-len 64
 """
@@ -67,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", help="default: triton on CUDA, torch on CPU")
     p.add_argument("--fused", default="auto", choices=["auto", "on", "off", "both"],
                    help="pdflow's fused kernels (both: one pdflow row each, on then off)")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
+                   help="overlap scheduling (ParallelSpec.overlap_scheduling; auto: on for one "
+                   "CUDA rank; both: one pdflow row each, on then off)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the final table (markdown) here")
@@ -186,7 +190,10 @@ def timed_run(llm, prompts, params, device: str) -> dict:
                 tokens=[tokens[rid] for rid in ids])
 
 
-def run_pdflow(folder: Path, prompts, args, fused: str) -> dict:
+OVERLAP = {"auto": None, "on": True, "off": False}
+
+
+def run_pdflow(folder: Path, prompts, args, fused: str, overlap: str = "auto") -> dict:
     from pdflow import LLM, SamplingParams
     from pdflow.spec import ParallelSpec
 
@@ -199,7 +206,7 @@ def run_pdflow(folder: Path, prompts, args, fused: str) -> dict:
         block_size=args.block_size, kv_page_tokens=args.page_tokens, num_kv_blocks=blocks,
         max_num_batched_tokens=max(8192, sum(map(len, prompts))), max_num_seqs=len(prompts),
         device=args.device, attention_backend=args.attention_backend, memory=0.9,
-        device_memory_gib=gib, enable_prefix_caching=False,
+        device_memory_gib=gib, enable_prefix_caching=False, overlap_scheduling=OVERLAP[overlap],
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -210,13 +217,14 @@ def run_pdflow(folder: Path, prompts, args, fused: str) -> dict:
         model = stage.model if stage is not None else None
         fused_on = None if model is None else model.uses_fused_kernels(
             torch.empty(0, device=args.device))
+        overlap_on = llm.instance.executor.overlap
         first = timed_run(llm, prompts, params, args.device)
         second = timed_run(llm, prompts, params, args.device)
     finally:
         llm.shutdown()
         del llm
         free_memory(args.device)
-    return dict(second, startup_s=startup, first_s=first["seconds"], fused_on=fused_on)
+    return dict(second, startup_s=startup, first_s=first["seconds"], fused_on=fused_on, overlap_on=overlap_on)
 
 
 def matching(a: list[list[int]], b: list[list[int]]) -> str:
@@ -286,17 +294,20 @@ def bench_shape(shape: str, args, rates, failures: dict) -> list[dict]:
             rows.append(dict(shape=shape, run="roofline", tok_s=generated / roof.total_s,
                              second_s=roof.total_s, prefill_s=roof.prefill_s,
                              step_s=roof.step_s))
-        settings = ["on", "off"] if args.fused == "both" else [args.fused]
+        fused = ["on", "off"] if args.fused == "both" else [args.fused]
+        overlaps = ["on", "off"] if args.overlap == "both" else [args.overlap]
         first_pdflow = None
-        for setting in settings:
-            label = f"{shape} pdflow fused={setting}"
-            res = soft(label, lambda s=setting: run_pdflow(folder, prompts, args, s), failures)
+        for setting, overlap in itertools.product(fused, overlaps):
+            run = f"pdflow fused={setting} overlap={overlap}"
+            label = f"{shape} {run}"
+            res = soft(label, lambda s=setting, o=overlap: run_pdflow(folder, prompts, args, s, o), failures)
             if res is None:
-                rows.append(dict(shape=shape, run=f"pdflow fused={setting}", error=failures[label]))
+                rows.append(dict(shape=shape, run=run, error=failures[label]))
                 continue
-            row = dict(shape=shape, run=f"pdflow fused={setting}", tok_s=generated / res["seconds"],
+            row = dict(shape=shape, run=run, tok_s=generated / res["seconds"],
                        second_s=res["seconds"], first_s=res["first_s"], startup_s=res["startup_s"],
-                       prefill_s=res["prefill_s"], step_s=res["step_s"], fused_on=res["fused_on"])
+                       prefill_s=res["prefill_s"], step_s=res["step_s"], fused_on=res["fused_on"],
+                       overlap_on=res["overlap_on"])
             same = []
             if hf is not None:
                 row["vs_hf"] = row["tok_s"] / rows[0]["tok_s"]
@@ -306,7 +317,7 @@ def bench_shape(shape: str, args, rates, failures: dict) -> list[dict]:
             row["same"] = "; ".join(same) or "-"
             if roof is not None:
                 row["roof_share"] = row["tok_s"] * roof.total_s / generated
-            first_pdflow = first_pdflow or (f"fused={setting}", res["tokens"])
+            first_pdflow = first_pdflow or (f"fused={setting} overlap={overlap}", res["tokens"])
             rows.append(row)
     return rows
 
@@ -326,8 +337,9 @@ def table(rows: list[dict]) -> str:
             continue
         ratio = r["first_s"] / r["second_s"] if r.get("first_s") else None
         run = r["run"]
-        if r.get("fused_on") is not None and run.endswith("auto"):
-            run += f" ({'on' if r['fused_on'] else 'off'})"
+        for key, value in (("fused", r.get("fused_on")), ("overlap", r.get("overlap_on"))):
+            if value is not None:  # what auto resolved to
+                run = run.replace(f"{key}=auto", f"{key}=auto ({'on' if value else 'off'})")
         lines.append(
             f"| {r['shape']} | {run} | {_fmt(r.get('tok_s'), ',.0f' if r['tok_s'] >= 100 else '.3g')} | "
             f"{_fmt(r.get('vs_hf'), '.2f')} | {_fmt(r.get('roof_share'), '.1%')} | "

@@ -31,17 +31,18 @@ def test_dry_run_prints_every_row(tmp_path):
     out, rows = _bench(tmp_path, "--fused", "both")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     runs = {r[1]: r for r in rows}
-    assert list(runs) == ["transformers", "roofline", "pdflow fused=on", "pdflow fused=off"]
-    for name in ("transformers", "roofline", "pdflow fused=on", "pdflow fused=off"):
+    on, off = "pdflow fused=on overlap=auto (off)", "pdflow fused=off overlap=auto (off)"  # CPU: auto is off
+    assert list(runs) == ["transformers", "roofline", on, off]
+    for name in ("transformers", "roofline", on, off):
         assert float(runs[name][2].replace(",", "")) > 0  # tok/s
-    for name in ("pdflow fused=on", "pdflow fused=off"):
+    for name in (on, off):
         row = runs[name]
         assert float(row[4].rstrip("%")) > 0  # share of the roofline
         assert float(row[6]) > 0 and float(row[7]) > 0  # first and second run seconds
         assert float(row[10]) > 0  # decode step ms
     # fp32: the fused kernels (interpreted) give the torch ops' tokens.
-    assert "1/1 fused=on" in runs["pdflow fused=off"][11]
-    assert out.stdout.rstrip().endswith(runs["pdflow fused=off"][11] + " |")  # table last
+    assert "1/1 fused=on overlap=auto" in runs[off][11]
+    assert out.stdout.rstrip().endswith(runs[off][11] + " |")  # table last
 
 
 def test_a_failing_row_is_reported_and_the_rest_still_run(tmp_path):
@@ -49,7 +50,7 @@ def test_a_failing_row_is_reported_and_the_rest_still_run(tmp_path):
                        "--skip-transformers")
     assert out.returncode == 1
     runs = {r[1]: r for r in rows}
-    assert "unknown attention backend" in runs["pdflow fused=off"][2]
+    assert "unknown attention backend" in runs["pdflow fused=off overlap=auto"][2]
     assert float(runs["roofline"][2].replace(",", "")) > 0
 
 

@@ -72,6 +72,8 @@ CASES = {
     Code.KV_POOL_EMPTY: (["prefill.memory=0.001"], ["prefill.memory=0.1"]),
     # The shipped tiny model's checkpoint (model.path) has a 128-token vocab.
     Code.MODEL_GEOMETRY_MISMATCH: (["model.vocab=256"], ["model.vocab=128"]),
+    # The default decode side is TP4 with a drafter: overlap scheduling cannot run there.
+    Code.OVERLAP_UNSUPPORTED: (["decode.overlap_scheduling=true"], ["decode.overlap_scheduling=false"]),
 }
 
 

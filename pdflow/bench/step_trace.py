@@ -79,6 +79,9 @@ class StepTrace:
         executor = engine.instance.executor
         if not isinstance(executor, InProcessExecutor) or executor.stage is None:
             raise TypeError("StepTrace needs an instance that runs in this process (tp=1, pp=1)")
+        if executor.overlap:
+            raise TypeError("StepTrace times whole steps; overlap scheduling launches them and "
+                            "returns: set the side's overlap_scheduling=false to trace")
         self.executor = executor
         self.backends = {id(a.backend): a.backend for a in executor.stage.model.attention_layers()}
         self.records: list[StepRecord] = []

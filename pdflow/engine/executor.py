@@ -16,8 +16,12 @@ from pdflow.worker.executors import InProcessExecutor, MultiProcessExecutor
 
 @runtime_checkable
 class Executor(Protocol):
-    # Steps that may be submitted before the oldest is collected (one per PP stage).
+    # Steps that may be submitted before the oldest is collected (one per PP stage; two
+    # under overlap scheduling).
     depth: int
+    # Overlap scheduling: ``submit`` returns with the step's samples still on the device,
+    # and the next step may name them as placeholders (StepInput.placeholder_rows).
+    overlap: bool
 
     def submit(self, step: StepInput) -> None: ...
 

@@ -42,7 +42,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, max_num_batched_tokens=parallel.max_num_batched_tokens,
             max_num_seqs=parallel.max_num_seqs, lookahead=draft_lookahead(self.graph, self.role),
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, overlap=self.executor.overlap,
         )
         # Acceptance over every request this engine verified drafts for.
         self.acceptance = AcceptanceStats()
@@ -50,8 +50,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._released: list[str] = []
-        # Submitted, not yet collected: (batch, sequences sampled) per step, oldest first.
-        self._in_flight: deque[tuple[ScheduledBatch, list[Sequence]]] = deque()
+        # Submitted, not yet collected: (step, batch, sequences sampled), oldest first.
+        self._in_flight: deque[tuple[int, ScheduledBatch, list[Sequence]]] = deque()
         # Steps answered from a captured CUDA graph, and all steps (reported, tested).
         self.graph_steps = 0
         self.steps = 0
@@ -121,9 +121,10 @@ class LLMEngine:
 
     def submit(self) -> bool:
         """Schedule and submit steps until the runner's pipeline is full (one step per PP
-        stage; one without PP). With one process per rank this returns once the ranks have
-        the step, so a caller driving two instances (P/D in one process) has both compute
-        at once; the in-process executor runs the step here. True when a step is in flight."""
+        stage; two under overlap scheduling; one otherwise). With one process per rank this
+        returns once the ranks have the step, so a caller driving two instances (P/D in one
+        process) has both compute at once; the in-process executor runs the step here, or,
+        under overlap scheduling, launches it and returns. True when a step is in flight."""
         self._fill_pipeline()
         return bool(self._in_flight)
 
@@ -132,14 +133,14 @@ class LLMEngine:
         token (none when nothing is in flight)."""
         if not self._in_flight:
             return []
-        batch, sampled = self._in_flight.popleft()
+        number, batch, sampled = self._in_flight.popleft()
         result = self.executor.collect()
         self.steps += 1
         self.graph_steps += result.cuda_graph
         for seq in batch.seqs:
-            seq.in_flight = False
+            seq.in_flight = seq.last_step > number  # overlap: also in a later step
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, strict=True):
-            if not seq.finished:  # aborted in flight: its blocks are already free
+            if not seq.finished:  # finished in flight: its token is dropped, its blocks freed below
                 seq.num_computed_tokens += n - d  # accepted drafts count once appended
                 self.blocks.commit(seq)
         counts = result.num_emitted or [1] * len(sampled)
@@ -160,6 +161,9 @@ class LLMEngine:
             outputs += self._emit_run(seq, run)
             if not seq.finished:
                 seq.draft_ids = nxt
+        for seq in batch.seqs:
+            if seq.finished and not seq.in_flight:  # no step writes into its blocks any more
+                self.blocks.free(seq)
         return outputs
 
     def _emit_run(self, seq: Sequence, run: list[tuple[int, float]]) -> list[TokenOutput]:
@@ -234,20 +238,24 @@ class LLMEngine:
         depth = self.executor.depth
         while len(self._in_flight) < depth:
             unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
-            cap = None if depth == 1 else max(1, -(-unfinished // depth))
+            # Overlap: every sequence rides every step (one step launched ahead, not spread).
+            cap = None if depth == 1 or self.executor.overlap else max(1, -(-unfinished // depth))
             batch = self.scheduler.schedule(max_seqs=cap)
             if batch.empty:
                 return
+            number = next(self._steps)
             step, sampled = build_step_input(
-                batch, block_size=self.parallel.block_size, step=next(self._steps),
+                batch, block_size=self.parallel.block_size, step=number,
                 released=self._released, speculative=self.speculative,
             )
             self._released = []
             self.executor.submit(step)
             for seq in batch.seqs:
-                seq.in_flight = True
+                seq.in_flight, seq.last_step = True, number
                 seq.fresh = False
-            self._in_flight.append((batch, sampled))
+            for index, seq in enumerate(sampled):
+                seq.sampled_at, seq.sample_index = number, index
+            self._in_flight.append((number, batch, sampled))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling

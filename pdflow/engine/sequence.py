@@ -47,6 +47,12 @@ class Sequence:
     # In a step that has been submitted and not yet collected (pipeline parallelism):
     # neither scheduled again nor preempted until its result is back.
     in_flight: bool = False
+    # The last step submitted with this sequence in it, and (when that or an earlier step
+    # samples it) the step and the index among its sampled rows that hold its next token:
+    # under overlap scheduling, a decode scheduled before that step is back reads it there.
+    last_step: int = -1
+    sampled_at: int = -1
+    sample_index: int = -1
     # P/D producer: send the prompt's KV here after the step that completes the prompt.
     kv_target: KVTarget | None = None
     # Speculative decoding: the drafts proposed after the last token (scored with it by

@@ -19,19 +19,48 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bloc
         pos = stop
 
 
+def _check_source(seq: Sequence, step: int) -> None:
+    """Every placeholder of a step reads the same earlier step's samples."""
+    if not seq.in_flight or seq.sampled_at != seq.last_step or step not in (-1, seq.sampled_at):
+        raise RuntimeError(
+            f"{seq.request_id}: a placeholder must read the samples of its one step in flight "
+            f"(sampled at step {seq.sampled_at}, last in step {seq.last_step}, this batch reads {step})"
+        )
+
+
 def build_step_input(
     batch: ScheduledBatch, *, block_size: int, step: int, released: list[str], speculative: bool = False,
 ) -> tuple[StepInput, list[Sequence]]:
     """Flattened ids/positions/slots of the batch's new tokens, its block tables, and the
     sequences sampled this step (those whose last known token is computed now). With
     ``speculative``, a decoding sequence's rows are [last token, drafts] and the message
-    says what the drafter needs (drafts per sampled row, next tokens, adopted context)."""
+    says what the drafter needs (drafts per sampled row, next tokens, adopted context).
+    An ``ahead`` sequence (overlap scheduling) gets one placeholder row that the rank
+    fills with its step in flight's sample."""
     ids, positions, slots, cu, ctx = [], [], [], [0], []
     sampled: list[Sequence] = []
     rows: list[int] = []
     exports: list[KVExport] = []
     num_drafts, next_ids, adopt = [], [], []
-    for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, strict=True):
+    holes, sources, source_step = [], [], -1
+    for seq, n, d, ahead in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, batch.ahead, strict=True):
+        if ahead:  # overlap: one row, the token its step in flight samples (not known here)
+            start, end = seq.num_tokens, seq.num_tokens + 1
+            _check_source(seq, source_step)
+            source_step = seq.sampled_at
+            holes.append(len(ids))
+            sources.append(seq.sample_index)
+            ids.append(0)
+            positions.append(start)
+            _extend_slots(slots, seq.block_table, start, end, block_size)
+            cu.append(cu[-1] + 1)
+            ctx.append(end)
+            next_ids.append(-1)
+            adopt.append(-1)
+            sampled.append(seq)
+            rows.append(cu[-1] - 1)
+            num_drafts.append(0)
+            continue
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         known = end - d  # rows past it are drafts
         ids.extend(seq.token_ids[start:known])
@@ -74,6 +103,9 @@ def build_step_input(
         ],
         released_seq_ids=released,
         exports=exports,
+        placeholder_rows=holes,
+        placeholder_samples=sources,
+        placeholder_step=source_step,
     )
     if speculative:
         message.num_drafts, message.next_token_ids, message.context_adopt = num_drafts, next_ids, adopt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdflow.graph.heads import default_taps, heads_divisible, rank_heads
+from pdflow.graph.overlap import check_overlap
 from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition, parallel_of
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
@@ -190,4 +191,5 @@ def check_spec(spec: RunSpec) -> list[Refusal]:
         *check_pages(spec),
         *check_drafter(spec),
         *check_grid(spec),
+        *check_overlap(spec),
     ]

@@ -67,6 +67,13 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     # forward since admission (prefix-cache hit, transferred prompt), else -1.
     next_token_ids: list[int] = []
     context_adopt: list[int] = []
+    # Overlap scheduling (one rank): rows of token_ids whose token is the still-unread
+    # sample of step ``placeholder_step`` (their token_ids entry is a 0 placeholder), and
+    # for each, the index of that sample in the step's sampled rows. The rank gathers them
+    # on the device before the forward.
+    placeholder_rows: list[int] = []
+    placeholder_samples: list[int] = []
+    placeholder_step: int = -1
 
 
 class StepOutput(msgspec.Struct, tag=True, kw_only=True):

@@ -55,6 +55,11 @@ class ParallelSpec:
     ready_timeout_s: float = 120.0
     step_timeout_s: float = 300.0
     enable_prefix_caching: bool = True
+    # Overlap scheduling: the host schedules and builds step N+1 while the device runs
+    # step N (a decode's input token stays on the device until the host has it). None:
+    # on for a one-rank CUDA side without a drafter; True elsewhere (CPU: tests) is
+    # allowed where it can run and refused by the graph (OVERLAP_UNSUPPORTED) where not.
+    overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "block_size", "max_num_batched_tokens", "max_num_seqs"):

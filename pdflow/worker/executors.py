@@ -9,21 +9,24 @@ from collections import deque
 
 import torch
 
-from pdflow.graph import RunGraph, parallel_of
+from pdflow.graph import RunGraph, overlap_scheduling, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
 from pdflow.parallel.messages import ControlMessage, ExportDone, Message, StepInput, StepOutput
 from pdflow.worker.control import handle_control
+from pdflow.worker.overlap_step import LaunchedStep, launch
 from pdflow.worker.stage import Stage, build_stage, rank_device
 
 RANK_TARGET = "pdflow.worker.rank_loop:serve_rank"
 
 
 class InProcessExecutor:
-    """The whole model (TP1/PP1) on this process's device. One stage, so one step in
-    flight: ``submit`` runs it, ``collect`` hands the result back."""
+    """The whole model (TP1/PP1) on this process's device. One step in flight: ``submit``
+    runs it, ``collect`` hands the result back. Under overlap scheduling two: ``submit``
+    launches the step and returns (its samples stay on the device for the next step's
+    placeholders), ``collect`` waits for the oldest step's samples to reach the host."""
 
-    depth = 1
+    overlap = False
 
     def __init__(self, graph: RunGraph, role: str):
         graph.raise_if_refused()
@@ -36,13 +39,33 @@ class InProcessExecutor:
         self.graph, self.role = graph, role
         self.stage: Stage | None = build_stage(graph, role, 0, device)
         self.stage.warm_up()
-        self._done: deque[StepOutput] = deque()
+        self.overlap = overlap_scheduling(graph.spec, role)
+        self.depth = 2 if self.overlap else 1
+        self._done: deque[StepOutput | LaunchedStep] = deque()
+        # Overlap: the last launched step's number and its sampled tokens, on the device.
+        self._samples: tuple[int, torch.Tensor] | None = None
 
     def submit(self, step: StepInput) -> None:
-        self._done.append(self.execute(step))
+        if not self.overlap:
+            self._done.append(self.execute(step))
+            return
+        if len(self._done) >= self.depth:
+            raise RuntimeError(f"{self.depth} steps already in flight; collect one first")
+        samples = None
+        if step.placeholder_rows:
+            number, samples = self._samples or (-1, None)
+            if number != step.placeholder_step:
+                raise RuntimeError(f"step {step.step} reads step {step.placeholder_step}'s samples, "
+                                   f"but the last step launched is {number}")
+        if self.stage is None:
+            raise RuntimeError("this instance has been shut down")
+        launched, tokens = launch(self.stage, step, samples)
+        self._samples = (step.step, tokens)
+        self._done.append(launched)
 
     def collect(self) -> StepOutput:
-        return self._done.popleft()
+        done = self._done.popleft()
+        return done.result() if isinstance(done, LaunchedStep) else done
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -75,6 +98,7 @@ class InProcessExecutor:
             self.stage.release()
             self.stage = None
         self._done.clear()
+        self._samples = None
 
 
 class MultiProcessExecutor:
@@ -86,6 +110,8 @@ class MultiProcessExecutor:
     step k (ranks take their steps in order, so a step's K/V writes at a stage land before
     any later step reads them). Answers come back in step order.
     """
+
+    overlap = False  # steps carry known tokens only (the graph refuses overlap here)
 
     def __init__(self, graph: RunGraph, role: str, launcher: Launcher | None = None):
         spec = graph.raise_if_refused().spec

@@ -37,6 +37,14 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingSpec], generators: list
     ) -> tuple[list[int], list[float]]:
+        tokens, chosen = self.on_device(logits, params, generators)
+        return tokens.tolist(), chosen.tolist()
+
+    def on_device(
+        self, logits: torch.Tensor, params: list[SamplingSpec], generators: list
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [rows] (int64) and their logprobs [rows], left on the logits' device (no
+        host read: overlap scheduling copies them back while the next step runs)."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         greedy = logits.argmax(dim=-1)
@@ -49,4 +57,4 @@ class Sampler:
                     probs = sampling_probs(logits[row], p)
                     tokens[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), chosen.tolist()
+        return tokens, chosen

@@ -41,10 +41,18 @@ class StageRunner:
         self.generators: dict[str, torch.Generator] = {}
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        """On CUDA through pinned memory: the copy is queued without waiting for the device
+        (under overlap scheduling the host builds this step while the last one runs)."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
-    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def tensors(
+        self, step: StepInput, samples: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's device tensors. ``samples``: the tokens step ``placeholder_step``
+        sampled (overlap scheduling), gathered into the placeholder rows on the device."""
         q_lens = [b - a for a, b in itertools.pairwise(step.cu_seqlens_q)]
         longest = max(q_lens, default=0)
         if runs_as_decode_rows(q_lens):
@@ -59,6 +67,12 @@ class StageRunner:
                 max_seqlen_q=longest,
             )
         ids = self._tensor(step.token_ids, torch.int64)
+        if step.placeholder_rows:
+            if samples is None:
+                raise RuntimeError(f"step {step.step} reads step {step.placeholder_step}'s samples, "
+                                   "which this rank does not hold")
+            rows = self._tensor(step.placeholder_rows, torch.int64)
+            ids.index_copy_(0, rows, samples.index_select(0, self._tensor(step.placeholder_samples, torch.int64)))
         return ids, self._tensor(step.positions, torch.int64), meta
 
     def _rows_as_decode(self, step: StepInput, q_lens: list[int]) -> AttentionMetadata:
@@ -104,13 +118,22 @@ class StageRunner:
         return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
 
     def sample(self, step: StepInput, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
+        if logits is None:
+            self._generators(step)
+            return [], []
+        return self.sampler(logits, step.sampling, self._generators(step))
+
+    def sample_on_device(self, step: StepInput, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and logprobs of the sampled rows, left on the device."""
+        return self.sampler.on_device(logits, step.sampling, self._generators(step))
+
+    def _generators(self, step: StepInput) -> list[torch.Generator | None]:
+        """Each sampled row's generator (seeded requests keep theirs across steps)."""
         for rid in step.released_seq_ids:
             self.generators.pop(rid, None)
-        if logits is None:
-            return [], []
         generators = []
         for rid, params in zip(step.sample_seq_ids, step.sampling, strict=True):
             if params.seed is not None and rid not in self.generators:
                 self.generators[rid] = make_generator(params.seed, self.device)
             generators.append(self.generators.get(rid))
-        return self.sampler(logits, step.sampling, generators)
+        return generators
