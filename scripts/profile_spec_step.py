@@ -26,7 +26,8 @@ def _llm(args, mode: str) -> LLM:
     kind = mode.split("-")[0]
     over = ["mode=monolithic", "prefill=tp1", "decode=tp1", "tracking=off", f"drafter={kind}",
             f"prefill.device={args.device}", f"decode.device={args.device}",
-            f"decode.max_num_seqs={args.batch}", f"decode.enforce_eager={mode.endswith('-eager')}"]
+            f"decode.max_num_seqs={args.batch}", f"decode.enforce_eager={mode.endswith('-eager')}",
+            "decode.overlap_scheduling=false"]  # StepTrace times whole steps
     return LLM.from_run_spec(compose_spec(over), role="decode")
 
 

@@ -88,7 +88,7 @@ def test_direct_rows_write_caches_like_packing(graph_of, kind):
     plan, units, src_caches, _, want_caches = _setup(graph_of, 32)
     assert len(plan.groups) == 2  # target and draft runs differ in shape at page 32
     got_caches = caches_for(units, 6, fill="poison")
-    rows = direct_rows(RunTable(plan, src_caches, "src").rows(SRC), RunTable(plan, got_caches, "dst").rows(DST))
+    rows = direct_rows(RunTable(plan, src_caches, "src"), SRC, RunTable(plan, got_caches, "dst"), DST)
     _copy(kind, rows, RunTable(plan, src_caches, "src").max_words)
     for name, cache in want_caches.items():
         assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
@@ -103,7 +103,7 @@ def test_a_span_off_by_a_block_is_caught(graph_of):
     chunk = chunks(plan, len(SRC), max(p.nbytes for p in chunks(plan, len(SRC), 1 << 30)[0]) // 2 or 1)[1]
     lo, hi = chunk[0].offset, chunk[0].offset + sum(p.nbytes for p in chunk)
     first, stop = packer.span(chunk, len(SRC))
-    runs = packer.groups[chunk[0].group][6]
+    runs = packer.groups[chunk[0].group].runs
     buf = torch.zeros(len(want), dtype=torch.uint8)  # the whole stream: a wrong span lands inside it
     copy_runs_mod.copy_runs_reference(rows[first:stop], shift=buf.data_ptr())
     assert torch.equal(buf[lo:hi], want[lo:hi])

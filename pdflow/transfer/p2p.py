@@ -96,10 +96,11 @@ class P2PPeer:
         self.buffer_bytes = ready.buffer_bytes
         self.dst_table = None
         if self.mover == "peer":  # the consumer's caches, mapped here; written by one kernel per request
-            theirs = local_device(consumer_device)
-            enable_peer_access(self.device, theirs)
+            enable_peer_access(self.device, local_device(consumer_device))
             self._mapped: dict[tuple, torch.Tensor] = {}
-            self.dst_caches = {n: map_cache(m, theirs, self._mapped) for n, m in ready.caches.items()}
+            # Opened in this GPU's context (CUDA IPC then maps the memory for this device's
+            # kernels, over NVLink when it lives on another GPU).
+            self.dst_caches = {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()}
             self.dst_table = RunTable(plan, self.dst_caches, "dst", device=self.device)
             self.buf, self.group = None, None
         elif self.mover == "ipc":
@@ -181,16 +182,14 @@ class P2PPeer:
         if error:  # checked here: a wild address would fault this GPU's context, or theirs
             raise TransferError(error)
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
-        rows = direct_rows(self.table.rows(src_blocks), self.dst_table.rows(dst_blocks))
+        rows = direct_rows(self.table, src_blocks, self.dst_table, dst_blocks)
         phases.mark("rows")
         from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
         copy_runs(rows, self.table.max_words)
-        synchronize(self.device)  # in their caches once this returns
+        synchronize(self.device)  # in their caches once this returns: one-sided, no ack to wait for
         phases.mark("write")
         self.conn.send(P2PChunk(index=0, nbytes=packed_nbytes(self.plan, len(src_blocks))))
-        self._ack(0)
-        phases.mark("ack")
         phases.report()
 
     def _write(self, nbytes: int) -> None:
@@ -343,13 +342,13 @@ class _Session:
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         blocks = request.dst_blocks
         error = bad_blocks(blocks, plan, self.listener.caches)
-        if buf is None:  # peer: the producer wrote them; it says when
+        if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
             note = self.conn.recv()
             if not isinstance(note, P2PChunk) or note.index != 0:
                 raise ConnectionError(f"expected the request's only chunk, got {note}")
-            self.conn.send(P2PAck(index=0, error=error))
-            if not error:
-                self.listener.landed += 1
+            if error:
+                raise ConnectionError(f"a producer wrote blocks this rank refuses: {error}")
+            self.listener.landed += 1
             return
         rows = self.table.rows(blocks) if self.table is not None and not error else None
 

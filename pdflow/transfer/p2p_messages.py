@@ -78,7 +78,8 @@ class P2PRequest(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_request"):
 
 class P2PChunk(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_chunk"):
     """Producer -> consumer: chunk ``index`` of the request (``nbytes`` of packed runs) is on
-    its way (gloo, nccl) or already in the shared buffer (ipc)."""
+    its way (gloo, nccl), already in the shared buffer (ipc), or the whole request is
+    already in the caches (peer: one-sided, nothing is acked)."""
 
     index: NonNegative
     nbytes: NonNegative

@@ -13,6 +13,7 @@ moves a table (the host-built, per-chunk tables this replaced cost 2-9 ms a chun
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,9 @@ class RunTable:
         """``side``: "src" (a producer's caches, the plan's source units) or "dst";
         ``device``: where the rows live (the launching GPU; default: the caches')."""
         self.device = device or next(iter(caches.values())).device
+        # Per group, what does not depend on the request: each (unit, run)'s address in
+        # block 0, each unit's block stride, each run's length and offset in a block's
+        # packed runs; then the request's rows are a few broadcast ops.
         self.groups = []
         self.unit_index: list[dict[tuple[str, str], int]] = []
         for group in plan.groups:
@@ -42,48 +46,72 @@ class RunTable:
                 return torch.tensor(values, dtype=torch.int64).to(self.device)
 
             lengths = [r.length for r in group.runs]
-            prefix = [sum(lengths[:i]) for i in range(len(lengths))]
-            self.groups.append((
-                on_device([caches[n].data_ptr() for n in names]),
-                on_device([block_bytes(caches[n]) for n in names]),
-                on_device([getattr(r, side) for r in group.runs]),
-                on_device([n // WORD for n in lengths]), on_device(prefix), sum(lengths), len(lengths)))
+            base = on_device([caches[n].data_ptr() for n in names])
+            self.groups.append(_Group(
+                first_block=(base[:, None] + on_device([getattr(r, side) for r in group.runs])[None, :])[:, None, :],
+                stride=on_device([block_bytes(caches[n]) for n in names])[:, None, None],
+                words=on_device([n // WORD for n in lengths])[None, None, :],
+                prefix=on_device([sum(lengths[:i]) for i in range(len(lengths))])[None, None, :],
+                per_block=sum(lengths), units=len(names), runs=len(lengths)))
             self.unit_index.append({pair: i for i, pair in enumerate(group.units)})
         self.max_words = max((max(r.length for r in g.runs) // WORD for g in plan.groups if g.runs), default=0)
 
+    def _blocks(self, blocks: Sequence[int]) -> torch.Tensor:
+        host = torch.tensor(list(blocks), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True).view(1, -1, 1)
+
+    def addresses(self, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(address, words) of every run of these blocks, in stream order, on the device."""
+        blk = self._blocks(blocks)
+        addr = [torch.addcmul(g.first_block, blk, g.stride).view(-1) for g in self.groups]
+        words = [g.words.expand(g.units, len(blocks), g.runs).reshape(-1) for g in self.groups]
+        return _cat(addr, self.device), _cat(words, self.device)
+
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
-        """int64 [n, 3] on the caches' device: (address, stream offset, words) of every run
-        of these blocks, in stream order."""
-        blk = torch.tensor(list(blocks), dtype=torch.int64).to(self.device, non_blocking=True)
+        """int64 [n, 3] on the device: (address, stream offset, words) of every run of these
+        blocks, in stream order."""
         k = len(blocks)
-        parts = []
-        start = 0
-        for base, per_unit_block, run_at, words, prefix, per_block, _ in self.groups:
-            u = len(base)
-            addr = base[:, None, None] + blk[None, :, None] * per_unit_block[:, None, None] + run_at[None, None, :]
-            unit_at = torch.arange(u, device=self.device)[:, None, None] * (k * per_block)
-            block_at = torch.arange(k, device=self.device)[None, :, None] * per_block
-            off = start + unit_at + block_at + prefix[None, None, :]
-            parts.append(torch.stack([addr.expand(u, k, -1), off.expand(u, k, -1), words.expand(u, k, -1)], -1)
-                         .reshape(-1, 3))
-            start += u * k * per_block
-        return torch.cat(parts) if parts else torch.empty(0, 3, dtype=torch.int64, device=self.device)
+        addr, words = self.addresses(blocks)
+        offs, start = [], 0
+        for g in self.groups:
+            pairs = torch.arange(g.units * k, dtype=torch.int64, device=self.device).view(g.units, k, 1)
+            offs.append(torch.add(g.prefix + start, pairs, alpha=g.per_block).view(-1))
+            start += g.units * k * g.per_block
+        return torch.stack([addr, _cat(offs, self.device), words], 1)
 
     def span(self, chunk: list[Piece], num_blocks: int) -> tuple[int, int]:
         """The rows [first, stop) of a chunk of whole pieces of a ``num_blocks`` request."""
 
         def row(piece: Piece, block: int) -> int:
-            before = sum(len(self.unit_index[g]) * num_blocks * self.groups[g][6] for g in range(piece.group))
+            before = sum(g.units * num_blocks * g.runs for g in self.groups[:piece.group])
             unit = self.unit_index[piece.group][(piece.src_unit, piece.dst_unit)]
-            return before + (unit * num_blocks + block) * self.groups[piece.group][6]
+            return before + (unit * num_blocks + block) * self.groups[piece.group].runs
 
         return row(chunk[0], chunk[0].start), row(chunk[-1], chunk[-1].stop)
 
 
-def direct_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Rows copying cache to cache: the source rows' addresses to the destination rows'
-    (both in stream order, over the same plan), for a producer writing into mapped
-    consumer caches."""
-    if src.shape != dst.shape:
-        raise ValueError(f"source rows {tuple(src.shape)} and destination rows {tuple(dst.shape)} differ")
-    return torch.stack([src[:, 0], dst[:, 0], src[:, 2]], 1)
+@dataclass(kw_only=True, slots=True)
+class _Group:
+    first_block: torch.Tensor  # [units, 1, runs]: each run's address in block 0
+    stride: torch.Tensor  # [units, 1, 1]: bytes per block of each unit's cache
+    words: torch.Tensor  # [1, 1, runs]
+    prefix: torch.Tensor  # [1, 1, runs]: each run's offset in one block's packed runs
+    per_block: int
+    units: int
+    runs: int
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+
+
+def direct_rows(src: RunTable, src_blocks: Sequence[int], dst: RunTable, dst_blocks: Sequence[int]) -> torch.Tensor:
+    """Rows copying cache to cache (address, address, words), for a producer writing into
+    mapped consumer caches: both tables over the same plan, so their runs pair in order."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    src_addr, words = src.addresses(src_blocks)
+    dst_addr, _ = dst.addresses(dst_blocks)
+    return torch.stack([src_addr, dst_addr, words], 1)
