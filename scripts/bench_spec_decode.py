@@ -64,13 +64,13 @@ def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list
             f"{weights.name if weights else 'random'} |")
 
 
-def speed(args, kind: str, batch: int, prompts: list[str]) -> tuple[float, str, str]:
+def speed(args, kind: str, batch: int, prompts: list[str], extra: tuple[str, ...] = ()) -> tuple[float, str, str]:
     """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored),
     how many of its drafted steps ran whole as a captured graph ("m/n"), and what the
     timed run's steps did (paths, graphed, kernels built, slowest step)."""
     params = SamplingParams(temperature=0.0, max_tokens=args.speed_tokens, ignore_eos=True)
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
-    overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}"]
+    overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}", *extra]
     with Deployment(compose(overrides)) as d:
         # Warm every path the timed run takes, so no kernel compiles or graph captures
         # inside the timing: the first run prefills whole prompts, the second hits the
@@ -127,19 +127,24 @@ def acceptance_table(args, kinds: list[str], prompts: list[str]) -> None:
 
 def speed_table(args, kinds: list[str], prompts: list[str]) -> None:
     print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
-    print("(drafted graphs: the timed run's drafted steps that ran whole as one captured graph)")
-    print("| batch | none | " + " | ".join(f"{k} | {k}/none | {k} drafted graphs" for k in kinds) + " |")
-    print("|---|---|" + "---|---|---|" * len(kinds))
+    print("(none: without a drafter, overlap scheduling on (auto) and off; each ratio is against the faster. "
+          "Drafted graphs: the timed run's drafted steps that ran whole as one captured graph)")
+    print("| batch | none, overlap | none, no overlap | " + " | ".join(f"{k} | {k}/none | {k} drafted graphs" for k in kinds)
+          + " |")
+    print("|---|---|---|" + "---|---|---|" * len(kinds))
     traces = []
     for batch in (int(b) for b in args.batches.split(",") if b):
-        base, _, trace = speed(args, "none", batch, prompts)
+        overlapped, _, trace = speed(args, "none", batch, prompts)
         traces.append(trace)
+        plain, _, trace = speed(args, "none", batch, prompts, ("decode.overlap_scheduling=false",))
+        traces.append(trace)
+        base = max(overlapped, plain)
         cells = []
         for kind in kinds:
             rate, graphed, trace = speed(args, kind, batch, prompts)
             traces.append(trace)
             cells.append(f"{rate:.1f} | {rate / base:.2f}x | {graphed}")
-        print(f"| {batch} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {batch} | {overlapped:.1f} | {plain:.1f} | " + " | ".join(cells) + " |", flush=True)
     print("\n# the timed runs' steps (paths: stage_runner; a replayed graph calls no attention op)")
     print("\n".join(traces))
 
