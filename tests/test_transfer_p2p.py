@@ -163,6 +163,49 @@ def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
         listener.close()
 
 
+def test_a_consumer_that_cannot_set_up_the_pair_says_why(graph_of):
+    """A failure on the consumer's side of pairing (here its receive buffer cannot be
+    allocated) reaches the producer as a refusal naming it, not as a closed socket."""
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
+    caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
+    listener = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=1 << 60)
+    try:
+        prod = producer_caches_of(graph, NUM_BLOCKS)[0]
+        cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)
+        with pytest.raises(TransferError, match="could not set up the pair: .*(Error|alloc)"):
+            P2PPeer(address=listener.address, consumer_device="cpu", plan=bound_plan(cut, set(prod)), caches=prod,
+                    dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
+                    producer_rank=0, spec=graph.spec.transfer)
+    finally:
+        listener.close()
+
+
+def test_pair_buffers_fit_the_longest_request_not_the_staging_size(graph_of):
+    """A pair's receive buffer (device memory outside the KV budget on a GPU) is what the
+    longest request this consumer serves packs into, not transfer.staging_mib, when that
+    is less; never less than that request (which then moves in one buffer)."""
+    from pdflow.graph import parallel_of
+    from pdflow.transfer.packing import packed_nbytes
+
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=dspark")
+    caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
+    staging = graph.spec.transfer.staging_mib << 20
+    fitted = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
+    given = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=staging)
+    try:
+        par = parallel_of(graph.spec, CONSUMER)
+        longest = -(-min(graph.spec.model.max_model_len, graph.budgets[CONSUMER].pool_blocks * par.block_size)
+                    // par.block_size)
+        for cut in (c for c in graph.cuts if c.consumer_rank == 0):
+            plan = bound_plan(cut, set(producer_caches_of(graph, NUM_BLOCKS)[cut.producer_rank]))
+            size = fitted.pair_buffer_bytes(plan)
+            assert packed_nbytes(plan, longest) <= size < staging
+            assert given.pair_buffer_bytes(plan) == staging
+    finally:
+        fitted.close()
+        given.close()
+
+
 @pytest.mark.slow
 def test_pd_over_p2p_equals_one_process():
     """PP2 -> TP2 with the DSpark drafter (its context K/V rides the same pairs) over Gloo

@@ -1,0 +1,261 @@
+"""The consumer rank's end of the ``transfer.p2p`` pairs (``p2p``'s module docstring has
+the protocol): a listener per rank, a session thread per producer rank that pairs, and the
+per-request receive and scatter of each mover."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from pdflow.graph import CONSUMER, PRODUCER, CutPlan, RunGraph, parallel_of
+from pdflow.spec.transfer import TransferSpec
+from pdflow.transfer.mooncake_engine import MooncakeTransport
+from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
+from pdflow.transfer.p2p_parts import (
+    Phases,
+    bad_blocks,
+    bound_plan,
+    chunks,
+    device_identity,
+    host_buffer,
+    pair_group,
+    share_cache,
+    share_ipc,
+    side_stream,
+    size_of,
+    synchronize,
+)
+from pdflow.transfer.packing import Piece, packed_nbytes, unpack_piece
+from pdflow.transfer.run_table import RunTable
+
+__all__ = ["P2PListener"]
+
+
+class P2PListener:
+    """A consumer rank's end: accepts producer ranks and scatters what they send."""
+
+    def __init__(self, *, graph: RunGraph, rank: int, caches: Mapping[str, torch.Tensor], spec: TransferSpec,
+                 buffer_bytes: int | None = None, transport: MooncakeTransport | None = None):
+        self.graph, self.rank, self.caches, self.spec = graph, rank, dict(caches), spec
+        self.transport = transport  # producers write into this rank's host staging through it
+        # Per producer rank paired: transfer.staging_mib, or less when the longest request
+        # this side serves packs into less (sized per pair from its cut plan); an explicit
+        # ``buffer_bytes`` is taken as given.
+        self.buffer_bytes = buffer_bytes or spec.staging_mib << 20
+        self.fit_to_requests = buffer_bytes is None
+        self.device = next(iter(caches.values())).device
+        self.identity = device_identity(self.device)
+        host = spec.host or "127.0.0.1"
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._dir = tempfile.mkdtemp(prefix="pdflow-p2p-")
+        self._sessions: list[_Session] = []
+        self._closed = threading.Event()
+        self.landed = 0  # requests scattered completely
+        threading.Thread(target=self._accept, name=f"p2p-accept-{rank}", daemon=True).start()
+
+    def pair_buffer_bytes(self, plan: CutPlan) -> int:
+        """The receive buffer of a pair: ``buffer_bytes``, capped at what the longest request
+        this consumer serves (the model's max_model_len, or its whole pool) packs into
+        under the pair's plan, and at least two blocks' runs (a chunk per buffer half)."""
+        if not self.fit_to_requests:
+            return self.buffer_bytes
+        par = parallel_of(self.graph.spec, CONSUMER)
+        tokens = min(self.graph.spec.model.max_model_len, self.graph.budgets[CONSUMER].pool_blocks * par.block_size)
+        longest = packed_nbytes(plan, -(-tokens // par.block_size))
+        return min(self.buffer_bytes, max(longest, 2 * plan.bytes_per_block))
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            session = _Session(self, FramedSocket(sock))
+            self._sessions.append(session)
+            threading.Thread(target=session.serve, name=f"p2p-recv-{self.rank}", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.close()
+        for session in self._sessions:
+            session.conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Session:
+    """One producer rank's connection to a consumer rank, served on its own thread."""
+
+    def __init__(self, listener: P2PListener, conn: FramedSocket):
+        self.listener, self.conn = listener, conn
+        self.table: RunTable | None = None
+        self.host: torch.Tensor | None = None  # mooncake: the registered host staging
+
+    def serve(self) -> None:
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+            setup = self._pair()
+            if setup is not None:
+                device = self.listener.device
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                with side_stream(device):
+                    while True:
+                        self._serve_request(*setup)
+        self.conn.close()
+
+    def _pair(self):
+        """Answer a producer's hello: refused (and why), or ready with the way in. What can
+        fail here (an allocation, a registration, a mapping) fails before the answer, so the
+        producer hears the reason instead of a closed socket."""
+        lis = self.listener
+        hello = self.conn.recv()
+        if not isinstance(hello, P2PHello):
+            return None
+        try:
+            ready, setup = self._set_up(hello)
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as err:
+            ready, setup = P2PReady(refused=f"consumer rank {lis.rank} could not set up the pair: "
+                                            f"{type(err).__name__}: {err}"), None
+        self.conn.send(ready)
+        if setup is None:
+            return None
+        plan, buf, group, sources = setup
+        if ready.store_path:  # the pair's process group: both ends meet in its rendezvous
+            if lis.device.type == "cuda":
+                torch.cuda.set_device(lis.device)
+            group = pair_group(hello.mover, ready.store_path, 0, lis.spec.timeout_s)
+        return plan, buf, group, sources
+
+    def _refusal(self, hello: P2PHello) -> tuple[str, CutPlan | None]:
+        lis = self.listener
+        cut = next((c for c in lis.graph.cuts
+                    if c.producer_rank == hello.producer_rank and c.consumer_rank == lis.rank), None)
+        if cut is None:
+            return f"no cut plan joins producer rank {hello.producer_rank} to consumer rank {lis.rank}", None
+        plan = bound_plan(cut, set(hello.units))
+        missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
+        expected = ("mooncake",) if lis.transport is not None else (
+            ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc", "peer"))
+        if missing:
+            return f"consumer rank {lis.rank} has no caches for {missing}", plan
+        if hello.mover not in expected:
+            return f"mover {hello.mover!r} cannot reach caches on {lis.identity}", plan
+        if hello.mover == "peer" and hello.pid == os.getpid():
+            return ("transfer.peer_writes maps the consumer's caches through CUDA IPC, which needs the "
+                    "producer rank in another process; run the instances' ranks as processes or use "
+                    "transfer=nccl"), plan
+        return "", plan
+
+    def _set_up(self, hello: P2PHello):
+        """(the answer, (plan, buffer, group, source block bytes) or None when refused)."""
+        lis = self.listener
+        refused, plan = self._refusal(hello)
+        if refused:
+            return P2PReady(refused=refused), None
+        buffer_bytes = lis.pair_buffer_bytes(plan)
+        group = None
+        if hello.mover == "mooncake":  # bytes land in host staging; scattered from there (or its copy)
+            self.host = host_buffer(buffer_bytes, lis.device)
+            base = lis.transport.register(self.host)
+            buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
+                                                                          device=lis.device)
+            ready = P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base)
+        elif hello.mover == "peer":  # the producer writes the caches themselves: no buffer
+            dst = {d for g in plan.groups for _, d in g.units}
+            buf, ready = None, P2PReady(caches={n: share_cache(lis.caches[n]) for n in sorted(dst)})
+        elif hello.mover == "ipc":
+            buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
+            ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf))
+        else:
+            buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
+            path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")
+            ready = P2PReady(buffer_bytes=buffer_bytes, store_path=path)
+        sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
+        on_gpu = lis.device.type == "cuda" and hello.mover != "peer"
+        self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
+        return ready, (plan, buf, group, sources)
+
+    def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
+        self.conn.sock.settimeout(None)  # idle between requests
+        request = self.conn.recv()
+        if not isinstance(request, P2PRequest):
+            raise ConnectionError(f"expected a request, got {type(request).__name__}")
+        self.conn.sock.settimeout(self.listener.spec.timeout_s)
+        blocks = request.dst_blocks
+        error = bad_blocks(blocks, plan, self.listener.caches)
+        if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
+            note = self.conn.recv()
+            if not isinstance(note, P2PChunk) or note.index != 0:
+                raise ConnectionError(f"expected the request's only chunk, got {note}")
+            if error:
+                raise ConnectionError(f"a producer wrote blocks this rank refuses: {error}")
+            self.listener.landed += 1
+            return
+        rows = self.table.rows(blocks) if self.table is not None and not error else None
+
+        def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
+            if error:
+                return error  # the bytes were drained, never written
+            try:
+                base = chunk[0].offset
+                if rows is not None:  # one kernel over the chunk's runs
+                    first, stop = self.table.span(chunk, len(blocks))
+                    from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+
+                    copy_runs(rows[first:stop], self.table.max_words, shift=data.data_ptr() - base, reverse=True)
+                    return ""
+                for p in chunk:
+                    unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
+                                 self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
+                return ""
+            except Exception as err:  # the request fails, the pair serves on
+                return f"{type(err).__name__}: {err}"
+
+        if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
+            parts = chunks(plan, len(blocks), buf.numel())
+            for i, chunk in enumerate(parts):
+                note = self.conn.recv()
+                if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
+                    raise ConnectionError(f"expected chunk {i} of {size_of(chunk)} bytes, got {note}")
+                if self.host is not None and self.host is not buf:
+                    buf[:note.nbytes].copy_(self.host[:note.nbytes], non_blocking=True)  # host to device
+                error = scatter(chunk, buf)
+                synchronize(self.listener.device)
+                if i + 1 < len(parts):
+                    self.conn.send(P2PAck(index=i, error=error))
+        else:  # two halves: receive chunk i+1 while chunk i is scattered
+            half = buf.numel() // 2
+            parts = chunks(plan, len(blocks), half)
+            slots = [buf[:half], buf[half:2 * half]]
+            pending = {}
+
+            def post(i: int) -> None:
+                pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
+
+            phases = Phases("recv", self.listener.device)
+            if parts:
+                post(0)
+            for i, chunk in enumerate(parts):
+                if i + 1 < len(parts):
+                    post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
+                pending.pop(i).wait()
+                phases.mark("recv")
+                error = scatter(chunk, slots[i % 2])
+                phases.mark("scatter")
+            synchronize(self.listener.device)
+            phases.report()
+        self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
+        if not error:
+            self.listener.landed += 1
+
+
