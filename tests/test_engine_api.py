@@ -46,7 +46,7 @@ def test_pool_size_is_the_graphs_budget():
     from pdflow import LLM
     from pdflow.graph import build_graph
 
-    spec = compose_spec(["model.path=null", "decode=tp1", "decode.memory=0.02", "drafter=none"])
+    spec = compose_spec(["model.path=null", "mode=monolithic", "decode=tp1", "decode.memory=0.02", "drafter=none"])
     budget = build_graph(spec).budgets["decode"]
     assert not budget.fixed and budget.pool_blocks > 0
     llm = LLM.from_run_spec(spec)

@@ -79,3 +79,37 @@ def test_partition_rules():
     assert layer_partition(60, ParallelSpec(pp=4, partition="lighter_last")) == [16, 16, 16, 12]
     assert layer_partition(8, ParallelSpec(pp=3)) == [3, 3, 2]
     assert layer_partition(8, ParallelSpec(pp=2, layer_partition=[5, 3])) == [5, 3]
+
+
+def test_the_budget_leaves_room_for_the_transfer_pairs_buffers(graph_of):
+    """Two-sided pairs hold a buffer per paired rank beside the KV pool: the budget
+    subtracts what each rank holds, direct writes and monolithic runs hold none, and no
+    consumer's pair ever allocates more than the graph counted for it."""
+    from transfer_kit import caches_for, producer_caches_of
+
+    from pdflow.graph import CONSUMER, PRODUCER
+    from pdflow.graph.transfer_buffers import pair_buffer_bytes
+    from pdflow.transfer.p2p import P2PListener, bound_plan
+
+    layout = ["prefill=pp2", "decode=tp2", "drafter=dspark"]
+    staged, direct = graph_of(*layout, "transfer=nccl"), graph_of(*layout, "transfer=mooncake_rdma")
+    for role in (PRODUCER, CONSUMER):
+        for stage, none in zip(staged.budgets[role].stages, direct.budgets[role].stages, strict=True):
+            ranks = [r.rank for r in staged.instance(role).ranks if r.stage == stage.stage]
+            held = max(sum(pair_buffer_bytes(staged.spec, c) for c in staged.cuts
+                           if (c.producer_rank if role == PRODUCER else c.consumer_rank) == r) for r in ranks)
+            assert stage.transfer_bytes == held > 0 and none.transfer_bytes == 0
+            assert stage.blocks == (stage.usable_bytes - stage.weight_bytes - stage.activation_bytes
+                                    - held) // stage.bytes_per_block < none.blocks
+    assert all(s.transfer_bytes == 0 for s in graph_of(*layout, "mode=monolithic").budgets[CONSUMER].stages)
+    on_gpus = graph_of(*layout, "transfer=cuda_ipc", "prefill.device=cuda", "decode.device=cuda")
+    assert all(s.transfer_bytes == 0 for b in on_gpus.budgets.values() for s in b.stages)
+
+    caches = caches_for(staged.rank(CONSUMER, 0).units, 4, fill="poison")
+    listener = P2PListener(graph=staged, rank=0, caches=caches, spec=staged.spec.transfer)
+    try:
+        for cut in (c for c in staged.cuts if c.consumer_rank == 0):
+            plan = bound_plan(cut, set(producer_caches_of(staged, 4)[cut.producer_rank]))
+            assert 0 < listener.pair_buffer_bytes(plan) <= pair_buffer_bytes(staged.spec, cut)
+    finally:
+        listener.close()

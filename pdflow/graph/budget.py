@@ -20,6 +20,8 @@ class StageBudget:
     bytes_per_block: int
     weight_bytes: int
     activation_bytes: int
+    # The KV transfer pairs' buffers on this stage's busiest rank (``transfer_buffers``).
+    transfer_bytes: int
     usable_bytes: int
     blocks: int
 
@@ -72,20 +74,24 @@ def block_budget(
     par: ParallelSpec,
     drafter: DrafterSpec,
     num_taps: int,
+    transfer_bytes: dict[int, int] | None = None,
 ) -> BlockBudget:
+    """``transfer_bytes``: rank -> bytes its KV transfer pairs hold (none by default)."""
     stages = []
     for stage in instance.stages:
         per_block = sum(u.bytes_per_block for u in stage.ranks[0].units)
         weights = _stage_weights(model, par, drafter, stage, num_taps)
         act = _activation_bytes(model, par, stage.index == par.pp - 1)
+        transfer = max((transfer_bytes or {}).get(r.rank, 0) for r in stage.ranks)
         usable = par.usable_bytes()
-        blocks = max(0, (usable - weights - act) // per_block) if per_block else 0
+        blocks = max(0, (usable - weights - act - transfer) // per_block) if per_block else 0
         stages.append(
             StageBudget(
                 stage=stage.index,
                 bytes_per_block=per_block,
                 weight_bytes=weights,
                 activation_bytes=act,
+                transfer_bytes=transfer,
                 usable_bytes=usable,
                 blocks=blocks,
             )

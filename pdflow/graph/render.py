@@ -157,7 +157,8 @@ def _usable_caption(graph: RunGraph) -> str:
     fixed = [role for role, b in graph.budgets.items() if b.fixed]
     pool = (f"; a (fixed) pool is {', '.join(f'{r}.num_kv_blocks' for r in fixed)}" if fixed else "")
     return ("usable GB per device = " + "; ".join(parts) + ". blocks = (usable - weights - "
-            f"activations) / bytes per block; the stage with the fewest binds the pool{pool}.")
+            "activations - transfer buffers) / bytes per block (transfer: the KV pairs' send or receive "
+            f"buffers on the stage's busiest rank); the stage with the fewest binds the pool{pool}.")
 
 
 def _budget_table(graph: RunGraph) -> Table:
@@ -171,12 +172,13 @@ def _budget_table(graph: RunGraph) -> Table:
                 f"{s.bytes_per_block / 1e6:.3f}",
                 f"{s.weight_bytes / GB:.2f}",
                 f"{s.activation_bytes / GB:.2f}",
+                f"{s.transfer_bytes / GB:.2f}",
                 f"{s.usable_bytes / GB:.2f}",
                 f"{s.blocks:,}",
                 (f"{budget.pool_blocks:,}" + (" (fixed)" if budget.fixed else "")) if s.stage == 0 else "",
             ))
-    columns = [(h, VALUE) for h in ("side", "stage", "MB per block", "weights GB", "activations GB",
-                                    "usable GB", "blocks")] + [("pool", TEXT)]
+    columns = [(h, VALUE) for h in ("side", "stage", "MB per block", "weights GB", "activ. GB",
+                                    "transfer GB", "usable GB", "blocks")] + [("pool", TEXT)]
     return _table("KV block budget (* binds the pool)", columns, rows, caption=_usable_caption(graph))
 
 

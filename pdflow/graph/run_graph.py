@@ -20,6 +20,7 @@ from pdflow.graph.placement import (
 )
 from pdflow.graph.refusals import STRUCTURAL, Code, GraphRefused, Refusal
 from pdflow.graph.regions import Region, build_regions
+from pdflow.graph.transfer_buffers import rank_transfer_bytes
 from pdflow.spec import RunSpec
 
 
@@ -127,7 +128,8 @@ def build_graph(spec: RunSpec) -> RunGraph:
     cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
     budgets = {}
     for role, plan in ((PRODUCER, producer), (CONSUMER, consumer)):
-        budget = block_budget(role, plan, spec.model, parallel_of(spec, role), spec.drafter, len(taps))
+        budget = block_budget(role, plan, spec.model, parallel_of(spec, role), spec.drafter, len(taps),
+                              rank_transfer_bytes(spec, cuts, role))
         budgets[role] = budget
         if budget.pool_blocks < 1:
             worst = budget.stages[budget.binding_stage]
@@ -136,7 +138,8 @@ def build_graph(spec: RunSpec) -> RunGraph:
                     code=Code.KV_POOL_EMPTY,
                     message=f"{role} stage {worst.stage} has no room for a KV block: "
                     f"{worst.usable_bytes} usable bytes, {worst.weight_bytes} of weights, "
-                    f"{worst.activation_bytes} of activations, {worst.bytes_per_block} per block.",
+                    f"{worst.activation_bytes} of activations, {worst.transfer_bytes} of transfer buffers, "
+                    f"{worst.bytes_per_block} per block.",
                     fix=f"raise {role}.memory or device_memory_gib, add pp/tp, or lower "
                     f"{role}.max_num_batched_tokens.",
                 )

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from pdflow.graph import CONSUMER, PRODUCER, CutPlan, RunGraph, parallel_of
+from pdflow.graph.transfer_buffers import pair_buffer_bytes
 from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
@@ -33,7 +34,7 @@ from pdflow.transfer.p2p_parts import (
     size_of,
     synchronize,
 )
-from pdflow.transfer.packing import Piece, packed_nbytes, unpack_piece
+from pdflow.transfer.packing import Piece, unpack_piece
 from pdflow.transfer.run_table import RunTable
 
 __all__ = ["P2PListener"]
@@ -63,15 +64,13 @@ class P2PListener:
         threading.Thread(target=self._accept, name=f"p2p-accept-{rank}", daemon=True).start()
 
     def pair_buffer_bytes(self, plan: CutPlan) -> int:
-        """The receive buffer of a pair: ``buffer_bytes``, capped at what the longest request
-        this consumer serves (the model's max_model_len, or its whole pool) packs into
-        under the pair's plan, and at least two blocks' runs (a chunk per buffer half)."""
+        """The receive buffer of a pair: the graph's rule (``transfer_buffers``), for the
+        longest request this consumer serves (max_model_len, or its whole pool)."""
         if not self.fit_to_requests:
             return self.buffer_bytes
         par = parallel_of(self.graph.spec, CONSUMER)
         tokens = min(self.graph.spec.model.max_model_len, self.graph.budgets[CONSUMER].pool_blocks * par.block_size)
-        longest = packed_nbytes(plan, -(-tokens // par.block_size))
-        return min(self.buffer_bytes, max(longest, 2 * plan.bytes_per_block))
+        return min(self.buffer_bytes, pair_buffer_bytes(self.graph.spec, plan, tokens))
 
     def _accept(self) -> None:
         while not self._closed.is_set():
