@@ -86,7 +86,8 @@ def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
         graph = graph_for(args.model, page, args.device, args.staging_mib, transfer)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
-        listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer)
+        listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer,
+                               transport=_transport(graph))
         outbox.put((rank, listener.address, device_identity(device)))
         while True:
             cmd = inbox.get()
@@ -130,7 +131,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             peers[cut.consumer_rank] = P2PPeer(
                 address=addresses[cut.consumer_rank][0], consumer_device=addresses[cut.consumer_rank][1], plan=plan,
                 caches=mine, dst_block_bytes={u.name: u.bytes_per_block for u in units}, producer_rank=0,
-                spec=graph.spec.transfer)
+                spec=graph.spec.transfer, transport=_transport(graph))
         for tokens in args.tokens:
             n = tokens // BLOCK
             src = list(range(n))
@@ -151,6 +152,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             assert outbox.get()[0] == "baseline-done"
             other = torch.empty_like(buf)
             row["copy"] = nbytes / _timed(lambda: other.copy_(buf), args.reps, device) / 1e9
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            row["d2h"] = nbytes / _timed(lambda: host.copy_(buf), args.reps, device) / 1e9
             if tokens == min(args.tokens):
                 bad = []
                 for q in queues.values():
@@ -166,6 +169,15 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
         for q in queues.values():
             q.put(("next",))
     result.put(rows)
+
+
+def _transport(graph):
+    """A Mooncake engine for this process when the transfer is Mooncake (staged pairs)."""
+    if graph.spec.transfer.backend != "mooncake":
+        return None
+    from pdflow.transfer.mooncake_engine import MooncakeTransport
+
+    return MooncakeTransport(graph.spec.transfer)
 
 
 def combos(args) -> list[tuple[int, str]]:
@@ -194,6 +206,8 @@ def table(rows, args) -> str:
         for rank in (1, 0):
             mover, nbytes, gbs = r[f"r{rank}"]
             base, name = (r["nccl_one"], "one send") if rank == 1 else (r["copy"], "device copy")
+            if mover == "mooncake":  # staged through host memory: bound by one device-to-host copy
+                base, name = r["d2h"], "device to host"
             out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | "
                        f"{nbytes / 2**20:.0f} | {gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | "
                        f"{r.get('exact', '-')} |")
