@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from pdflow import compose  # noqa: E402
 from pdflow.attention.kv_cache import TORCH_DTYPES  # noqa: E402
 from pdflow.graph import CONSUMER, PRODUCER, build_graph  # noqa: E402
-from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, device_identity  # noqa: E402
+from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity  # noqa: E402
 from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 
 BLOCK = 128
@@ -126,7 +126,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             addresses[rank] = (address, identity)
         peers = {}
         for cut in graph.cuts:
-            plan = bound_plan(cut, set(mine))
+            plan = cut.over(set(mine))
             units = graph.rank(CONSUMER, cut.consumer_rank).units
             peers[cut.consumer_rank] = P2PPeer(
                 address=addresses[cut.consumer_rank][0], consumer_device=addresses[cut.consumer_rank][1], plan=plan,

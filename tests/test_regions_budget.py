@@ -89,7 +89,7 @@ def test_the_budget_leaves_room_for_the_transfer_pairs_buffers(graph_of):
 
     from pdflow.graph import CONSUMER, PRODUCER
     from pdflow.graph.transfer_buffers import pair_buffer_bytes
-    from pdflow.transfer.p2p import P2PListener, bound_plan
+    from pdflow.transfer.p2p import P2PListener
 
     layout = ["prefill=pp2", "decode=tp2", "drafter=dspark"]
     staged, direct = graph_of(*layout, "transfer=nccl"), graph_of(*layout, "transfer=mooncake_rdma")
@@ -109,7 +109,7 @@ def test_the_budget_leaves_room_for_the_transfer_pairs_buffers(graph_of):
     listener = P2PListener(graph=staged, rank=0, caches=caches, spec=staged.spec.transfer)
     try:
         for cut in (c for c in staged.cuts if c.consumer_rank == 0):
-            plan = bound_plan(cut, set(producer_caches_of(staged, 4)[cut.producer_rank]))
+            plan = cut.over(set(producer_caches_of(staged, 4)[cut.producer_rank]))
             assert 0 < listener.pair_buffer_bytes(plan) <= pair_buffer_bytes(staged.spec, cut)
     finally:
         listener.close()

@@ -16,7 +16,7 @@ from transfer_kit import caches_for, producer_caches_of, wrong_units
 from pdflow import Deployment, SamplingParams, compose
 from pdflow.graph import CONSUMER
 from pdflow.transfer.errors import TransferError
-from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, chunks
+from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.packing import packed_nbytes
 
 one_torch_thread = transfer_kit.one_torch_thread
@@ -50,7 +50,7 @@ class Pairs:
         self.peers = {}
         for cut in graph.cuts:
             caches = self.producer_caches[cut.producer_rank]
-            plan = bound_plan(cut, set(caches))
+            plan = cut.over(set(caches))
             consumer = graph.rank(CONSUMER, cut.consumer_rank)
             self.peers[cut.producer_rank, cut.consumer_rank] = P2PPeer(
                 address=self.listeners[cut.consumer_rank].address, consumer_device="cpu", plan=plan, caches=caches,
@@ -156,7 +156,7 @@ def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = graph.cuts[0]
         with pytest.raises(TransferError, match="no cut plan"):
-            P2PPeer(address=listener.address, consumer_device="cpu", plan=bound_plan(cut, set(prod)), caches=prod,
+            P2PPeer(address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
                     dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
                     producer_rank=len(graph.producer.ranks) + 5, spec=graph.spec.transfer)
     finally:
@@ -173,7 +173,7 @@ def test_a_consumer_that_cannot_set_up_the_pair_says_why(graph_of):
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)
         with pytest.raises(TransferError, match="could not set up the pair: .*(Error|alloc)"):
-            P2PPeer(address=listener.address, consumer_device="cpu", plan=bound_plan(cut, set(prod)), caches=prod,
+            P2PPeer(address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
                     dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
                     producer_rank=0, spec=graph.spec.transfer)
     finally:
@@ -197,7 +197,7 @@ def test_pair_buffers_fit_the_longest_request_not_the_staging_size(graph_of):
         longest = -(-min(graph.spec.model.max_model_len, graph.budgets[CONSUMER].pool_blocks * par.block_size)
                     // par.block_size)
         for cut in (c for c in graph.cuts if c.consumer_rank == 0):
-            plan = bound_plan(cut, set(producer_caches_of(graph, NUM_BLOCKS)[cut.producer_rank]))
+            plan = cut.over(set(producer_caches_of(graph, NUM_BLOCKS)[cut.producer_rank]))
             size = fitted.pair_buffer_bytes(plan)
             assert packed_nbytes(plan, longest) <= size < staging
             assert given.pair_buffer_bytes(plan) == staging

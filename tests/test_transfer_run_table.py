@@ -20,7 +20,7 @@ import pdflow.kernels.copy_runs as copy_runs_mod  # noqa: E402
 from transfer_kit import caches_for, producer_caches_of  # noqa: E402
 
 from pdflow.graph import CONSUMER  # noqa: E402
-from pdflow.transfer.p2p import bound_plan, chunks  # noqa: E402
+from pdflow.transfer.p2p import chunks  # noqa: E402
 from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
 from pdflow.transfer.run_table import RunTable, direct_rows  # noqa: E402
 
@@ -47,7 +47,7 @@ def _setup(graph_of, page: int):
     # the last stage's cut to rank 1: target and draft units, two groups of runs
     cut = max((c for c in graph.cuts if c.consumer_rank == 1), key=lambda c: c.producer_rank)
     src_caches = producers[cut.producer_rank]
-    plan = bound_plan(cut, set(src_caches))
+    plan = cut.over(set(src_caches))
     units = graph.rank(CONSUMER, cut.consumer_rank).units
     dst_bytes = {u.name: u.bytes_per_block for u in units}
     src_bytes = {n: c[0].numel() * c.element_size() for n, c in src_caches.items()}
@@ -117,7 +117,7 @@ def test_a_table_for_other_blocks_is_caught(graph_of):
     graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16")
     cut = graph.cuts[1]
     src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
-    plan = bound_plan(cut, set(src_caches))
+    plan = cut.over(set(src_caches))
     dst_bytes = {u.name: u.bytes_per_block for u in graph.rank(CONSUMER, cut.consumer_rank).units}
     want = torch.empty(packed_nbytes(plan, len(SRC)), dtype=torch.uint8)
     pack(plan, src_caches, SRC, want, dst_bytes)

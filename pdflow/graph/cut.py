@@ -29,6 +29,11 @@ class CutGroup:
     units: tuple[tuple[str, str], ...]  # (producer unit, consumer unit)
     runs: tuple[CutRun, ...]
 
+    @property
+    def bytes_per_unit(self) -> int:
+        """Bytes one unit pair moves per block (its runs, packed back to back)."""
+        return sum(r.length for r in self.runs)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CutPlan:
@@ -42,7 +47,17 @@ class CutPlan:
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(len(g.units) * sum(r.length for r in g.runs) for g in self.groups)
+        return sum(len(g.units) * g.bytes_per_unit for g in self.groups)
+
+    def over(self, sources: set[str]) -> CutPlan:
+        """The part of this plan over the source units a producer rank has caches for (a
+        drafter's units join when its stage binds them)."""
+        groups = []
+        for group in self.groups:
+            units = tuple((s, d) for s, d in group.units if s in sources)
+            if units:
+                groups.append(dataclasses.replace(group, units=units))
+        return dataclasses.replace(self, groups=tuple(groups))
 
 
 def plan_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...]) -> tuple[CutRun, ...]:

@@ -44,7 +44,7 @@ class KVExporter:
         self.spec = graph.spec.transfer
         self.cuts = {c.consumer_rank: c for c in graph.cuts if c.producer_rank == rank}
         self._send_bytes = send_buffer_bytes or self.spec.staging_mib << 20
-        need = max((sum(r.length for r in g.runs) for c in self.cuts.values() for g in c.groups), default=0)
+        need = max((g.bytes_per_unit for c in self.cuts.values() for g in c.groups), default=0)
         if self.spec.staging and min(self._send_bytes // 2, CHUNK_BYTES) < need:
             raise ValueError(f"a send buffer of {self._send_bytes} bytes cannot hold one block's runs of a "
                              f"unit ({need} bytes) in each half; raise transfer.staging_mib")

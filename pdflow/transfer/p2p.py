@@ -45,7 +45,6 @@ from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHell
 from pdflow.transfer.p2p_parts import (
     Phases,
     bad_blocks,
-    bound_plan,
     choose_mover,
     chunks,
     device_identity,
@@ -61,7 +60,7 @@ from pdflow.transfer.p2p_parts import (
 from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes
 from pdflow.transfer.run_table import RunTable, direct_rows
 
-__all__ = ["P2PListener", "P2PPeer", "bound_plan", "chunks", "device_identity"]
+__all__ = ["P2PListener", "P2PPeer", "chunks", "device_identity"]
 
 
 class P2PPeer:
@@ -112,7 +111,6 @@ class P2PPeer:
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
-        self._rows = None
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
@@ -137,13 +135,13 @@ class P2PPeer:
         if self.mover == "peer":
             self._write_direct(src_blocks, dst_blocks, request_id, phases)
             return
-        self._rows = self.table.rows(src_blocks) if self.table is not None else None
+        rows = self.table.rows(src_blocks) if self.table is not None else None
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
         phases.mark("rows")
         if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
             parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
             for i, chunk in enumerate(parts):
-                self._pack(chunk, self.buf, src_blocks)
+                self._pack(chunk, self.buf, src_blocks, rows)
                 synchronize(self.device)
                 phases.mark("pack")
                 if self.mover == "mooncake":
@@ -161,7 +159,7 @@ class P2PPeer:
                 if self._sending[i % 2] is not None:
                     self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
                 phases.mark("wait")
-                self._pack(chunk, slot, src_blocks)
+                self._pack(chunk, slot, src_blocks, rows)
                 phases.mark("pack")
                 self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
                 phases.mark("send")
@@ -192,13 +190,16 @@ class P2PPeer:
         session, base = self.remote
         self.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
 
-    def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int]) -> None:
+    def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int],
+              rows: torch.Tensor | None) -> None:
+        """Chunk ``chunk`` of the request into ``out``: a slice of the request's ``rows`` on a
+        GPU, torch index ops per piece on CPU."""
         base = chunk[0].offset
-        if self.table is not None:
+        if rows is not None:
             first, stop = self.table.span(chunk, len(src_blocks))
             from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-            copy_runs(self._rows[first:stop], self.table.max_words, shift=out.data_ptr() - base)
+            copy_runs(rows[first:stop], self.table.max_words, shift=out.data_ptr() - base)
             return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],

@@ -23,7 +23,6 @@ from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHell
 from pdflow.transfer.p2p_parts import (
     Phases,
     bad_blocks,
-    bound_plan,
     chunks,
     device_identity,
     host_buffer,
@@ -141,7 +140,7 @@ class _Session:
                     if c.producer_rank == hello.producer_rank and c.consumer_rank == lis.rank), None)
         if cut is None:
             return f"no cut plan joins producer rank {hello.producer_rank} to consumer rank {lis.rank}", None
-        plan = bound_plan(cut, set(hello.units))
+        plan = cut.over(set(hello.units))
         missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
         expected = ("mooncake",) if lis.transport is not None else (
             ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc", "peer"))
@@ -174,7 +173,7 @@ class _Session:
             buf, ready = None, P2PReady(caches={n: share_cache(lis.caches[n]) for n in sorted(dst)})
         elif hello.mover == "ipc":
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
-            ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf))
+            ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf.untyped_storage()))
         else:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
             path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")

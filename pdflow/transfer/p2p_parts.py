@@ -4,7 +4,6 @@ process group, CUDA IPC handles, the chunks of a request's packed stream, and tr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import sys
@@ -90,9 +89,7 @@ def enable_peer_access(mine: torch.device, theirs: torch.device) -> None:
 
 
 def share_cache(cache: torch.Tensor) -> CacheMapping:
-    storage = cache.untyped_storage()
-    return CacheMapping(storage=share_ipc(torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)),
-                        byte_offset=cache.storage_offset() * cache.element_size(), num_blocks=cache.shape[0],
+    return CacheMapping(storage=share_ipc(cache.untyped_storage()), byte_offset=cache.storage_offset() * cache.element_size(), num_blocks=cache.shape[0],
                         nbytes=cache.numel() * cache.element_size())
 
 
@@ -105,17 +102,6 @@ def map_cache(m: CacheMapping, device: torch.device, mapped: dict[tuple, torch.T
         mapped[key] = map_ipc(m.storage, device)
     raw = mapped[key][m.byte_offset:m.byte_offset + m.nbytes]
     return raw.view(m.num_blocks, -1)
-
-
-def bound_plan(cut: CutPlan, sources: set[str]) -> CutPlan:
-    """The part of a cut plan over the source units a producer rank has caches for (a
-    drafter's units join when its stage binds them)."""
-    groups = []
-    for group in cut.groups:
-        units = tuple((s, d) for s, d in group.units if s in sources)
-        if units:
-            groups.append(dataclasses.replace(group, units=units))
-    return dataclasses.replace(cut, groups=tuple(groups))
 
 
 def chunks(plan: CutPlan, num_blocks: int, max_bytes: int) -> list[list[Piece]]:
@@ -146,8 +132,8 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
-def share_ipc(buf: torch.Tensor) -> CudaIpcHandle:
-    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
+def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
+    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = storage._share_cuda_()
     return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
                          ref_counter_offset=ref_offset, event_handle=event, event_sync_required=event_sync)
 

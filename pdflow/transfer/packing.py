@@ -45,7 +45,7 @@ def pieces(plan: CutPlan, num_blocks: int, max_bytes: int | None = None) -> list
     out: list[Piece] = []
     offset = 0
     for g, group in enumerate(plan.groups):
-        per_block = sum(r.length for r in group.runs)
+        per_block = group.bytes_per_unit
         if max_bytes is not None and per_block > max_bytes:
             raise ValueError(f"one block's runs ({per_block} bytes) exceed the {max_bytes}-byte staging buffer")
         step = num_blocks if max_bytes is None else max(1, max_bytes // per_block)

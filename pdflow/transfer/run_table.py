@@ -52,7 +52,7 @@ class RunTable:
                 stride=on_device([block_bytes(caches[n]) for n in names])[:, None, None],
                 words=on_device([n // WORD for n in lengths])[None, None, :],
                 prefix=on_device([sum(lengths[:i]) for i in range(len(lengths))])[None, None, :],
-                per_block=sum(lengths), units=len(names), runs=len(lengths)))
+                per_block=group.bytes_per_unit, units=len(names), runs=len(lengths)))
             self.unit_index.append({pair: i for i, pair in enumerate(group.units)})
         self.max_words = max((max(r.length for r in g.runs) // WORD for g in plan.groups if g.runs), default=0)
 

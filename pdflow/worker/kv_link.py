@@ -19,7 +19,7 @@ from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
 from pdflow.transfer.errors import PairingRefused
 from pdflow.transfer.mooncake_engine import MooncakeTransport
-from pdflow.transfer.p2p import P2PListener, P2PPeer, bound_plan, device_identity
+from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity
 from pdflow.worker.faults import inject_fault
 
 
@@ -113,7 +113,7 @@ class KVLink:
                 raise PairingRefused([Refusal(code=Code.PAIRING_RANK_UNKNOWN,
                                               message=f"no endpoint for consumer rank {consumer.label}.",
                                               fix="pair with every rank of the consumer instance.")])
-            cut = bound_plan(cut, set(self.regions))
+            cut = cut.over(set(self.regions))
             written = {dst for g in cut.groups for _, dst in g.units}
             expected = {u.name: u for u in consumer.units if u.name in written}
             refusals = endpoint_refusals(expected, endpoint, consumer.label)
