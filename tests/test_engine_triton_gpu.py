@@ -82,7 +82,7 @@ def test_cuda_graph_decode_equals_eager(page):
     graphs = stage.graphs
     assert graphs is not None and graphs_supported(stage.model, stage.runner.device)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert graphs.replays > 0 and graphs.graphs
+    assert graphs.replays > 0 and graphs.captured.graphs
     assert llm.engine.graph_steps == graphs.replays
     assert got == eager
 

@@ -16,12 +16,51 @@ no device->host read (the torch reference loops over ``context_lens.tolist()``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdflow.attention.metadata import AttentionMetadata
 from pdflow.worker.stage_runner import StageRunner
 
-__all__ = ["DecodeGraphRunner", "graph_buckets", "graphs_supported"]
+__all__ = ["BucketGraphs", "DecodeGraphRunner", "graph_buckets", "graphs_supported"]
+
+
+class BucketGraphs:
+    """One CUDA graph per batch bucket over a runner's static buffers, captured largest
+    first into one memory pool (the smaller graphs reuse the largest's), each after a
+    warm-up call outside the capture (Triton compiles, NCCL connects there)."""
+
+    def __init__(self):
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, object] = {}
+        self.pool = None
+
+    def capture(self, buckets: list[int], device: torch.device, prepare: Callable[[int], Callable[[], object]]) -> None:
+        """``prepare(bs)`` fills bucket ``bs``'s static inputs and returns the call to capture."""
+        for bs in sorted(buckets, reverse=True):
+            step = prepare(bs)
+            torch.cuda.synchronize(device)
+            step()  # warm-up, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the NCCL watchdog thread may query events while we capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.outputs[bs] = step()
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+
+    def replay(self, bs: int):
+        """Replay bucket ``bs``; its output buffers (read them before the next replay)."""
+        self.graphs[bs].replay()
+        return self.outputs[bs]
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -56,8 +95,7 @@ class DecodeGraphRunner:
         self.max_batch = max_batch
         self.width = block_table_width
         self.buckets = sorted(buckets or graph_buckets(max_batch))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.captured = BucketGraphs()
         n, dev = self.buckets[-1], self.device
         if hidden_size is None:
             self.inputs = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -70,7 +108,6 @@ class DecodeGraphRunner:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -94,24 +131,16 @@ class DecodeGraphRunner:
         """Capture every bucket (largest first); inputs are all padding, so nothing is
         written to the KV cache while warming up."""
         self._reset(self.buckets[-1])
-        for bs in reversed(self.buckets):
+
+        def prepare(bs: int):
             args = self._args(bs)
-            torch.cuda.synchronize(self.device)
-            self.stage.forward(*args)  # warm-up: triton compiles, NCCL connects, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the NCCL watchdog thread may query events while we capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.outputs[bs] = self.stage.forward(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+            return lambda: self.stage.forward(*args)
+
+        self.captured.capture(self.buckets, self.device, prepare)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (the instance is shutting down)."""
-        self.graphs.clear()
-        self.outputs.clear()
-        self.pool = None
+        self.captured.release()
 
     def _reset(self, n: int) -> None:
         self.slots[:n].fill_(-1)
@@ -125,7 +154,7 @@ class DecodeGraphRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copy the step into the bucket's buffers, replay, return the first B rows (views
         of the graph's output buffers: use them before the next replay)."""
-        if not self.graphs:
+        if not self.captured.graphs:
             self.capture()
         bs = inputs.shape[0]
         bucket = next(b for b in self.buckets if b >= bs)
@@ -142,7 +171,6 @@ class DecodeGraphRunner:
         if bs < bucket:  # padding rows: no KV write, nothing read
             self.slots[bs:bucket].fill_(-1)
             self.context_lens[bs:bucket].zero_()
-        self.graphs[bucket].replay()
+        hidden, taps = self.captured.replay(bucket)
         self.replays += 1
-        hidden, taps = self.outputs[bucket]
         return hidden[:bs], (taps[:bs] if taps is not None else None)

@@ -20,7 +20,7 @@ import torch
 from pdflow.attention.metadata import AttentionMetadata
 from pdflow.parallel.messages import StepInput
 from pdflow.spec_decode import verify
-from pdflow.worker.cuda_graphs import graph_buckets
+from pdflow.worker.cuda_graphs import BucketGraphs, graph_buckets
 from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
 
@@ -82,9 +82,7 @@ class DraftedGraphRunner:
         self.host_out = torch.zeros((n, 3 * k1), dtype=torch.float64, pin_memory=pin)
         self.cu = torch.arange(n * k1 + 1, dtype=torch.int32, device=dev)
         self.pad_positions = list(range(k1)) * n
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.captured = BucketGraphs()
         self.replays = 0  # steps run through the buckets (replayed, or eagerly when not capturing)
 
     def _step(self, bucket: int) -> torch.Tensor:
@@ -111,23 +109,16 @@ class DraftedGraphRunner:
         """Capture every bucket; the inputs are all padding, so nothing is written."""
         if not self.capturing:
             return
-        for bs in reversed(self.buckets):
+
+        def prepare(bs: int):
             size = self._fill(bs, [], [], [], [])  # all padding, in this bucket's layout
             self.packed[:size].copy_(self.host_in[:size])
-            torch.cuda.synchronize(self.device)
-            self._step(bs)  # warm-up: kernels compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.outputs[bs] = self._step(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+            return lambda: self._step(bs)
+
+        self.captured.capture(self.buckets, self.device, prepare)
 
     def release(self) -> None:
-        self.graphs.clear()
-        self.outputs.clear()
-        self.pool = None
+        self.captured.release()
 
     def _fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int],
               tables: list[list[int]]) -> int:
@@ -148,15 +139,14 @@ class DraftedGraphRunner:
     def forward(self, msg: StepInput) -> torch.Tensor:
         """The step's device part: copy it into its bucket and replay (or run eagerly);
         ``drafted_step``'s output rows of the bucket (a view: read before the next step)."""
-        if self.capturing and not self.graphs:
+        if self.capturing and not self.captured.graphs:
             self.capture()
         bucket = next(b for b in self.buckets if b >= len(msg.seq_ids))
         size = self._fill(bucket, msg.token_ids, msg.positions, msg.slot_mapping, msg.block_tables)
         self.packed[:size].copy_(self.host_in[:size], non_blocking=True)
         self.replays += 1
         if self.capturing:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket]
+            return self.captured.replay(bucket)
         return self._step(bucket)
 
     @torch.inference_mode()
