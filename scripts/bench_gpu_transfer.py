@@ -41,9 +41,9 @@ from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 BLOCK = 128
 
 
-def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl"):
+def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 3):
     spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", f"transfer={transfer}",
-                    f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60",
+                    f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60", f"transfer.chunk_ramp={ramp}",
                     f"prefill.block_size={BLOCK}", f"decode.block_size={BLOCK}", f"prefill.kv_page_tokens={page}",
                     f"decode.kv_page_tokens={page}", f"prefill.device={device}", f"decode.device={device}"])
     return build_graph(spec)
@@ -82,8 +82,8 @@ def _baseline_group(args, rank: int, path: str):
 def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
     device = _device(args, rank)
     group = _baseline_group(args, 1, base_path) if rank == 1 else None
-    for page, transfer in combos(args):
-        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer)
+    for page, transfer, ramp in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
         listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer,
@@ -116,8 +116,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
     device = _device(args, 0)
     group = _baseline_group(args, 0, base_path)
     rows = []
-    for page, transfer in combos(args):
-        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer)
+    for page, transfer, ramp in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(PRODUCER, 0).units, blocks, device, seed=args.seed)
         addresses = {}
@@ -136,7 +136,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             n = tokens // BLOCK
             src = list(range(n))
             dst = list(range(n))[::-1]  # scattered: the consumer's blocks in another order
-            row = {"transfer": transfer, "page": page, "tokens": tokens}
+            row = {"transfer": transfer if transfer != "nccl" else f"nccl ramp {ramp}", "page": page, "tokens": tokens}
             for rank, peer in peers.items():
                 nbytes = packed_nbytes(peer.plan, n)
                 secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
@@ -180,8 +180,10 @@ def _transport(graph):
     return MooncakeTransport(graph.spec.transfer)
 
 
-def combos(args) -> list[tuple[int, str]]:
-    return [(page, transfer) for page in args.pages for transfer in args.transfers]
+def combos(args) -> list[tuple[int, str, int]]:
+    """(page, transfer, chunk ramp): the ramps apply to the pipelined pairs (``nccl``) only."""
+    return [(page, transfer, ramp) for page in args.pages for transfer in args.transfers
+            for ramp in (args.chunk_ramps if transfer == "nccl" else args.chunk_ramps[:1])]
 
 
 def _timed(fn, reps: int, device) -> float:
@@ -224,11 +226,13 @@ def main() -> None:
     ap.add_argument("--transfers", default="nccl,cuda_ipc", help="transfer configs (conf/transfer) to run")
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--staging-mib", type=int, default=256)
+    ap.add_argument("--chunk-ramps", default="3", help="transfer.chunk_ramp values to run (nccl)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.pages = [int(x) for x in args.pages.split(",")]
     args.transfers = args.transfers.split(",")
+    args.chunk_ramps = [int(x) for x in args.chunk_ramps.split(",")]
     args.tokens = sorted(int(x) for x in args.tokens.split(","))
     ctx = mp.get_context("spawn")
     outbox, result = ctx.Queue(), ctx.Queue()

@@ -100,6 +100,36 @@ def test_a_request_larger_than_the_receive_buffer_moves_in_chunks(pairs_of, grap
     assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
 
 
+@pytest.mark.parametrize("ramp", [0, 2, 3])
+def test_chunk_ramp_covers_the_stream_in_order_small_at_both_ends(graph_of, ramp):
+    """A pipelined request's chunks: the whole packed stream once, in order, none above the
+    half buffer; with a ramp the first and last are the smallest (fill and drain)."""
+    cut = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=dspark").cuts[0]
+    blocks, half = 64, 16 * packed_nbytes(cut, 1)
+    parts = chunks(cut, blocks, half, ramp)
+    flat = [p for c in parts for p in c]
+    assert [p.offset for p in flat] == [sum(q.nbytes for q in flat[:i]) for i in range(len(flat))]
+    assert sum(p.nbytes for p in flat) == packed_nbytes(cut, blocks)
+    sizes = [sum(p.nbytes for p in c) for c in parts]
+    assert max(sizes) <= half
+    if ramp:
+        assert sizes[0] <= half >> ramp and sizes[-1] < max(sizes) and sizes[0] < sizes[1] < sizes[2]
+    else:
+        assert max(sizes) - min(sizes) <= packed_nbytes(cut, 1)  # even, to a block
+
+
+def test_ramped_chunks_land_every_head(pairs_of, graph_of):
+    """A ramped request (ramp 3, a 2-block half buffer: chunks of differing sizes) lands
+    exactly, over the same two-halves pipeline NCCL runs."""
+    layout = ("prefill=pp2", "decode=tp2", "drafter=dspark", "transfer.chunk_ramp=3")
+    per_block = packed_nbytes(graph_of(*BASE, *layout).cuts[0], 1)
+    pairs = pairs_of(*layout, buffer_bytes=4 * per_block)
+    whole = {"all": (list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS))[::-1])}
+    assert len(chunks(pairs.graph.cuts[0], NUM_BLOCKS, 2 * per_block, 3)) >= 3
+    pairs.move(whole)
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, whole.values()) == []
+
+
 @transfer_kit.needs_mooncake
 def test_mooncake_staging_lands_every_head_in_chunks(graph_of, transports):
     """transfer=mooncake_tcp (staging): packed runs written into the consumer's registered

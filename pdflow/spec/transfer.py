@@ -38,6 +38,10 @@ class TransferSpec:
     # no pack or scatter). false: pack into chunks moved by NCCL (or through an IPC-mapped
     # receive buffer when both ranks share a GPU). GPUs without peer access fall back.
     peer_writes: bool = False
+    # Pipelined pairs (transfer=nccl between GPUs, packed): the first and last chunks of a
+    # request are the receive buffer's half >> chunk_ramp, doubling up and halving down, so
+    # the first send starts after a short pack and the last scatter is short. 0: even chunks.
+    chunk_ramp: int = 3
     # A request's transfer deadline, on both sides.
     timeout_s: float = 30.0
     # Unit families ("mha", "draft") cut as if their page were the whole block: a
@@ -65,6 +69,8 @@ class TransferSpec:
                              f"once; use at most {TCP_PEER_QUEUE}")
         if not 1 <= self.staging_mib < 2048:
             raise ValueError("transfer.staging_mib must be 1..2047 (one registration stays under 2 GiB)")
+        if not 0 <= self.chunk_ramp <= 8:
+            raise ValueError("transfer.chunk_ramp must be 0..8 (halvings of the first and last chunks)")
         if self.timeout_s <= 0:
             raise ValueError("transfer.timeout_s must be > 0")
         if self.retries < 0 or self.retry_backoff_s < 0:

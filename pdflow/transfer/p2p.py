@@ -78,6 +78,7 @@ class P2PPeer:
         host, port = address.rsplit(":", 1)
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
+        self.ramp = spec.chunk_ramp
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
         self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
@@ -153,7 +154,7 @@ class P2PPeer:
                     phases.mark("ack")
         else:  # two halves: pack chunk i+1 while chunk i is on the wire
             half = self.buffer_bytes // 2
-            parts = chunks(self.plan, len(src_blocks), half)
+            parts = chunks(self.plan, len(src_blocks), half, self.ramp)
             for i, chunk in enumerate(parts):
                 slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
                 if self._sending[i % 2] is not None:

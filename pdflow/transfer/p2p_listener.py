@@ -233,7 +233,7 @@ class _Session:
                     self.conn.send(P2PAck(index=i, error=error))
         else:  # two halves: receive chunk i+1 while chunk i is scattered
             half = buf.numel() // 2
-            parts = chunks(plan, len(blocks), half)
+            parts = chunks(plan, len(blocks), half, self.listener.spec.chunk_ramp)
             slots = [buf[:half], buf[half:2 * half]]
             pending = {}
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from pdflow.graph import CutPlan
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.p2p_messages import CacheMapping, CudaIpcHandle
-from pdflow.transfer.packing import Piece, pieces
+from pdflow.transfer.packing import Piece, packed_nbytes, pieces
 
 TRACE = os.environ.get("PDFLOW_P2P_TRACE") == "1"  # per-phase times of each request, on stderr
 
@@ -104,18 +104,42 @@ def map_cache(m: CacheMapping, device: torch.device, mapped: dict[tuple, torch.T
     return raw.view(m.num_blocks, -1)
 
 
-def chunks(plan: CutPlan, num_blocks: int, max_bytes: int) -> list[list[Piece]]:
-    """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``."""
+def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
+    """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``.
+
+    ``ramp`` > 0 (a pipeline: pack chunk i+1 while chunk i moves): the first and the last
+    chunks are smaller, ``max_bytes >> ramp`` doubling up to ``max_bytes`` and halving
+    down again at the end, so the wire starts after a short pack and the last scatter is
+    short (the pipeline's fill and drain), at the cost of a few more messages."""
+    total = packed_nbytes(plan, num_blocks)
+    per_block = max((g.bytes_per_unit for g in plan.groups), default=1)
+    limits = _ramp(total, max_bytes, ramp, floor=per_block)
     out: list[list[Piece]] = []
     size = 0
-    for piece in pieces(plan, num_blocks, max_bytes):
-        if out and size + piece.nbytes <= max_bytes:
+    for piece in pieces(plan, num_blocks, max(min(limits), per_block)):
+        limit = limits[len(out) - 1] if len(out) <= len(limits) else max_bytes
+        if out and size + piece.nbytes <= limit:
             out[-1].append(piece)
             size += piece.nbytes
         else:
             out.append([piece])
             size = piece.nbytes
     return out
+
+
+def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
+    """Chunk size limits for ``total`` bytes: a ramp up, even chunks of at most
+    ``max_bytes``, the same ramp down (each step only while the bytes left exceed it twice)."""
+    head = []
+    left = total
+    for shift in range(ramp, 0, -1):
+        size = max(max_bytes >> shift, floor)
+        if size >= max_bytes or left <= 2 * size:
+            break
+        head.append(size)
+        left -= 2 * size
+    n = max(1, -(-left // max_bytes))
+    return head + [max(-(-left // n), floor)] * n + head[::-1]
 
 
 def pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
