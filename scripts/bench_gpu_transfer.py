@@ -86,8 +86,10 @@ def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
         graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
+        # The buffer as given: this bench allocates its caches itself, so the graph's pool
+        # (which would size the buffer to the longest request it holds) is not this one.
         listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer,
-                               transport=_transport(graph))
+                               buffer_bytes=args.staging_mib << 20, transport=_transport(graph))
         outbox.put((rank, listener.address, device_identity(device)))
         while True:
             cmd = inbox.get()
@@ -141,6 +143,14 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 nbytes = packed_nbytes(peer.plan, n)
                 secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
                 row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9)
+            peer = peers.get(1)
+            if peer is not None and peer.mover == "mooncake":  # Mooncake's own rate: one bare host write
+                from pdflow.transfer.descriptors import Descriptors
+
+                size = min(packed_nbytes(peer.plan, n), peer.buffer_bytes)
+                bare = Descriptors(src=[peer.host_base], dst=[peer.remote[1]], length=[size])
+                row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.remote[0], bare),
+                                                    args.reps, device) / 1e9
             row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
                 lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
             nbytes = row["r1"][1]
@@ -210,6 +220,8 @@ def table(rows, args) -> str:
             base, name = (r["nccl_one"], "one send") if rank == 1 else (r["copy"], "device copy")
             if mover == "mooncake":  # staged through host memory: bound by one device-to-host copy
                 base, name = r["d2h"], "device to host"
+                if "mooncake_one" in r:
+                    name += f"; one bare Mooncake write {r['mooncake_one']:.1f}"
             out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | "
                        f"{nbytes / 2**20:.0f} | {gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | "
                        f"{r.get('exact', '-')} |")

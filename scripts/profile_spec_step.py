@@ -2,8 +2,10 @@
 """Where a decode step's time goes, with and without the drafter: mean step wall time,
 host syncs are inside it, over a fixed batch on one instance, each step's path (prefill
 tiles, decode, decode rows), whether a CUDA graph replayed it, the attention ops it ran
-eagerly and the Triton kernels built while timed (should be 0), then the top ops of a
-few steady steps (torch.profiler). For reading, not a benchmark table.
+eagerly and the Triton kernels built while timed (should be 0), then the device time of
+the step's CUDA graph alone (replayed back to back: what the GPU needs, against the step's
+wall time: the rest is host work) and its kernels, then the top ops of a few steady steps
+(torch.profiler). For reading, not a benchmark table.
 
     python scripts/profile_spec_step.py --device cuda --batch 1 --modes none,dspark-eager,dspark
 """
@@ -29,6 +31,35 @@ def _llm(args, mode: str) -> LLM:
             f"decode.max_num_seqs={args.batch}", f"decode.enforce_eager={mode.endswith('-eager')}",
             "decode.overlap_scheduling=false"]  # StepTrace times whole steps
     return LLM.from_run_spec(compose_spec(over), role="decode")
+
+
+def graph_time(engine, args) -> None:
+    """The last step's CUDA graph replayed back to back (same inputs: it rewrites the
+    same KV slots with the same values): device ms per replay, and its top kernels."""
+    if args.device != "cuda":
+        return
+    stage = engine.instance.executor.stage
+    runner = stage.drafted_graphs if stage.drafted_graphs is not None else stage.graphs
+    if runner is None or not runner.captured.graphs:
+        return
+    bucket = min(runner.captured.graphs)  # batch 1: bucket 1; else the smallest holding the batch
+    bucket = next((b for b in sorted(runner.captured.graphs) if b >= args.batch), bucket)
+    graphs = runner.captured
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(bucket)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(50):
+        graphs.replay(bucket)
+    end.record()
+    end.synchronize()
+    print(f"{type(runner).__name__} bucket {bucket}: {start.elapsed_time(end) / 50:.3f} ms of device time "
+          f"per replay (back to back)", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graphs.replay(bucket)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top), flush=True)
 
 
 def main() -> None:
@@ -61,6 +92,7 @@ def main() -> None:
             print(trace.summary())
             for rec in trace.records[: args.show_steps]:
                 print("  " + rec.line())
+            graph_time(engine, args)
             # The window holds one prefix-hit tail step per request, then 16-token decodes.
             acts = [torch.profiler.ProfilerActivity.CPU]
             if args.device == "cuda":
