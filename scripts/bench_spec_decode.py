@@ -15,13 +15,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import os
+import sys
 import time
+
+import torch
 
 from pdflow import Deployment, SamplingParams, compose
 from pdflow.bench.step_trace import StepTrace
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.graph import GraphRefused
 from pdflow.worker.drafter_build import drafter_checkpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_engine import git_commit  # noqa: E402  (scripts/ sits beside this file)
 
 LAYOUTS = {
     "single": ["mode=monolithic", "prefill=tp1", "decode=tp1"],
@@ -31,7 +39,8 @@ LAYOUTS = {
 
 
 def _base(args, kind: str) -> list[str]:
-    out = [f"drafter={kind}", "tracking=off", f"prefill.device={args.device}", f"decode.device={args.device}"]
+    out = [f"drafter={kind}", "tracking=off", f"prefill.device={args.device}", f"decode.device={args.device}",
+           *args.overrides]
     if kind != "none":
         out.append(f"drafter.num_speculative_tokens={args.k}")
     return out
@@ -73,12 +82,12 @@ def speed(args, kind: str, batch: int, prompts: list[str], extra: tuple[str, ...
     overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}", *extra]
     with Deployment(compose(overrides)) as d:
         # Warm every path the timed run takes, so no kernel compiles or graph captures
-        # inside the timing: the first run prefills whole prompts, the second hits the
-        # prefix cache and prefills only each prompt's tail (as the timed run does), and
-        # both decode through verify steps.
-        warm = SamplingParams(temperature=0.0, max_tokens=args.k + 2, ignore_eos=True)
+        # inside the timing: the timed workload itself, twice (the first prefills whole
+        # prompts, the second hits the prefix cache and prefills each prompt's tail, as
+        # the timed run does, through every context length and batch shape it reaches:
+        # Triton specialises integer arguments, so a shape the warm-up missed compiles).
         for _ in range(2):
-            d.generate(chosen, warm)
+            d.generate(chosen, params)
         # StepTrace times whole steps: an overlap-scheduled instance (no drafter, one GPU)
         # runs untraced, as it serves.
         overlap = getattr(d.consumer.instance.executor, "overlap", False)
@@ -105,12 +114,19 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--speed-only", action="store_true", help="skip the acceptance table")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. model.dtype=bf16)")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     prompts = [item.prompt for item in arith_eval_set(args.n)]
+    print(f"{_hardware(args.device)}, torch {torch.__version__}, commit {git_commit() or '?'}, "
+          f"{datetime.date.today()}; command: {' '.join(sys.argv)}")
     if not args.speed_only:
         acceptance_table(args, kinds, prompts)
     speed_table(args, kinds, prompts)
+
+
+def _hardware(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else "CPU"
 
 
 def acceptance_table(args, kinds: list[str], prompts: list[str]) -> None:

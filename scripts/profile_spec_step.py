@@ -29,7 +29,7 @@ def _llm(args, mode: str) -> LLM:
     over = ["mode=monolithic", "prefill=tp1", "decode=tp1", "tracking=off", f"drafter={kind}",
             f"prefill.device={args.device}", f"decode.device={args.device}",
             f"decode.max_num_seqs={args.batch}", f"decode.enforce_eager={mode.endswith('-eager')}",
-            "decode.overlap_scheduling=false"]  # StepTrace times whole steps
+            "decode.overlap_scheduling=false", *args.overrides]  # StepTrace times whole steps
     return LLM.from_run_spec(compose_spec(over), role="decode")
 
 
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--modes", default="none,dspark-eager,dspark")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--show-steps", type=int, default=12, help="per-step lines printed per mode")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (e.g. model.dtype=bf16)")
     args = parser.parse_args()
     prompts = [it.prompt for it in arith_eval_set(args.batch, k_shot=5, seed=11)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)

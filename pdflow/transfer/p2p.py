@@ -79,6 +79,7 @@ class P2PPeer:
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
         self.ramp = spec.chunk_ramp
+        self._chunk_lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
         self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
@@ -136,11 +137,12 @@ class P2PPeer:
         if self.mover == "peer":
             self._write_direct(src_blocks, dst_blocks, request_id, phases)
             return
-        rows = self.table.rows(src_blocks) if self.table is not None else None
+        # The request first: the consumer plans its receives while this rank builds its rows.
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        rows = self.table.rows(src_blocks) if self.table is not None else None
         phases.mark("rows")
         if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
-            parts = chunks(self.plan, len(src_blocks), self.buffer_bytes)
+            parts = self._chunks(len(src_blocks), self.buffer_bytes, 0)
             for i, chunk in enumerate(parts):
                 self._pack(chunk, self.buf, src_blocks, rows)
                 synchronize(self.device)
@@ -154,7 +156,7 @@ class P2PPeer:
                     phases.mark("ack")
         else:  # two halves: pack chunk i+1 while chunk i is on the wire
             half = self.buffer_bytes // 2
-            parts = chunks(self.plan, len(src_blocks), half, self.ramp)
+            parts = self._chunks(len(src_blocks), half, self.ramp)
             for i, chunk in enumerate(parts):
                 slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
                 if self._sending[i % 2] is not None:
@@ -167,6 +169,14 @@ class P2PPeer:
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
         phases.report()
+
+    def _chunks(self, num_blocks: int, max_bytes: int, ramp: int) -> list[list[Piece]]:
+        """``chunks`` of a request of this length, computed once per length (both ends
+        derive the same list from the pair's plan)."""
+        key = (num_blocks, max_bytes, ramp)
+        if key not in self._chunk_lists:
+            self._chunk_lists[key] = chunks(self.plan, num_blocks, max_bytes, ramp)
+        return self._chunk_lists[key]
 
     def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
                       phases: Phases) -> None:

@@ -96,6 +96,7 @@ class _Session:
         self.listener, self.conn = listener, conn
         self.table: RunTable | None = None
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
+        self._chunk_lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
 
     def serve(self) -> None:
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
@@ -183,6 +184,13 @@ class _Session:
         self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
         return ready, (plan, buf, group, sources)
 
+    def _chunks(self, plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int) -> list[list[Piece]]:
+        """``chunks`` of a request of this length, once per length (the producer derives the same)."""
+        key = (num_blocks, max_bytes, ramp)
+        if key not in self._chunk_lists:
+            self._chunk_lists[key] = chunks(plan, num_blocks, max_bytes, ramp)
+        return self._chunk_lists[key]
+
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
         self.conn.sock.settimeout(None)  # idle between requests
         request = self.conn.recv()
@@ -199,7 +207,10 @@ class _Session:
                 raise ConnectionError(f"a producer wrote blocks this rank refuses: {error}")
             self.listener.landed += 1
             return
-        rows = self.table.rows(blocks) if self.table is not None and not error else None
+        rows = None
+
+        def build_rows() -> torch.Tensor | None:
+            return self.table.rows(blocks) if self.table is not None and not error else None
 
         def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
             if error:
@@ -220,7 +231,8 @@ class _Session:
                 return f"{type(err).__name__}: {err}"
 
         if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
-            parts = chunks(plan, len(blocks), buf.numel())
+            parts = self._chunks(plan, len(blocks), buf.numel(), 0)
+            rows = build_rows()
             for i, chunk in enumerate(parts):
                 note = self.conn.recv()
                 if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
@@ -233,7 +245,7 @@ class _Session:
                     self.conn.send(P2PAck(index=i, error=error))
         else:  # two halves: receive chunk i+1 while chunk i is scattered
             half = buf.numel() // 2
-            parts = chunks(plan, len(blocks), half, self.listener.spec.chunk_ramp)
+            parts = self._chunks(plan, len(blocks), half, self.listener.spec.chunk_ramp)
             slots = [buf[:half], buf[half:2 * half]]
             pending = {}
 
@@ -241,10 +253,11 @@ class _Session:
                 pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
 
             phases = Phases("recv", self.listener.device)
-            if parts:
-                post(0)
+            for i in range(min(2, len(parts))):  # both halves are free: the last request synchronized
+                post(i)
+            rows = build_rows()  # while the first chunks arrive
             for i, chunk in enumerate(parts):
-                if i + 1 < len(parts):
+                if 2 <= i + 1 < len(parts):
                     post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
                 pending.pop(i).wait()
                 phases.mark("recv")
