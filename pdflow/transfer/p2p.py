@@ -83,7 +83,12 @@ class P2PPeer:
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
         self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
-        ready = self.conn.recv()
+        try:
+            ready = self.conn.recv()
+        except ConnectionError as err:
+            self.conn.close()
+            raise TransferError(f"consumer rank at {address} closed the pairing connection before answering "
+                                f"({err}): its process may have died (see its log)") from err
         if not isinstance(ready, P2PReady) or ready.refused:
             self.conn.close()
             why = ready.refused if isinstance(ready, P2PReady) else f"answered {type(ready).__name__}"
@@ -139,6 +144,7 @@ class P2PPeer:
             return
         # The request first: the consumer plans its receives while this rank builds its rows.
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        phases.mark("request")
         rows = self.table.rows(src_blocks) if self.table is not None else None
         phases.mark("rows")
         if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time

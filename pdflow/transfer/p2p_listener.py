@@ -8,8 +8,10 @@ import contextlib
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
+import traceback
 import uuid
 from collections.abc import Mapping
 
@@ -99,8 +101,16 @@ class _Session:
         self._chunk_lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
 
     def serve(self) -> None:
-        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+        try:
             setup = self._pair()
+        except BaseException as err:  # said here: the producer only sees the connection close
+            print(f"p2p: consumer rank {self.listener.rank} failed while pairing:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+            self.conn.close()
+            if isinstance(err, OSError):  # ConnectionError and TimeoutError among them
+                return
+            raise
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
             if setup is not None:
                 device = self.listener.device
                 if device.type == "cuda":
@@ -120,9 +130,7 @@ class _Session:
             return None
         try:
             ready, setup = self._set_up(hello)
-        except (ConnectionError, TimeoutError):
-            raise
-        except Exception as err:
+        except Exception as err:  # the socket is still good: the producer hears why
             ready, setup = P2PReady(refused=f"consumer rank {lis.rank} could not set up the pair: "
                                             f"{type(err).__name__}: {err}"), None
         self.conn.send(ready)
@@ -197,6 +205,7 @@ class _Session:
         if not isinstance(request, P2PRequest):
             raise ConnectionError(f"expected a request, got {type(request).__name__}")
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
+        phases = Phases("recv", self.listener.device)  # from the request's arrival
         blocks = request.dst_blocks
         error = bad_blocks(blocks, plan, self.listener.caches)
         if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
@@ -252,10 +261,11 @@ class _Session:
             def post(i: int) -> None:
                 pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
 
-            phases = Phases("recv", self.listener.device)
             for i in range(min(2, len(parts))):  # both halves are free: the last request synchronized
                 post(i)
+            phases.mark("posted")
             rows = build_rows()  # while the first chunks arrive
+            phases.mark("rows")
             for i, chunk in enumerate(parts):
                 if 2 <= i + 1 < len(parts):
                     post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
@@ -264,8 +274,10 @@ class _Session:
                 error = scatter(chunk, slots[i % 2])
                 phases.mark("scatter")
             synchronize(self.listener.device)
-            phases.report()
+            phases.mark("synced")
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
+        phases.mark("acked")
+        phases.report()
         if not error:
             self.listener.landed += 1
 
