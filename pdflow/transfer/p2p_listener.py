@@ -261,6 +261,7 @@ class _Session:
             def post(i: int) -> None:
                 pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
 
+            phases.mark("planned")
             for i in range(min(2, len(parts))):  # both halves are free: the last request synchronized
                 post(i)
             phases.mark("posted")

@@ -55,6 +55,9 @@ class RunTable:
                 per_block=group.bytes_per_unit, units=len(names), runs=len(lengths)))
             self.unit_index.append({pair: i for i, pair in enumerate(group.units)})
         self.max_words = max((max(r.length for r in g.runs) // WORD for g in plan.groups if g.runs), default=0)
+        # Per request length: the rows (offsets and lengths filled once), the block ids'
+        # pinned host copy and device copy. A request rewrites only the addresses: two ops.
+        self._by_length: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _blocks(self, blocks: Sequence[int]) -> torch.Tensor:
         host = torch.tensor(list(blocks), dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -69,15 +72,39 @@ class RunTable:
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """int64 [n, 3] on the device: (address, stream offset, words) of every run of these
-        blocks, in stream order."""
+        blocks, in stream order.
+
+        The table is this RunTable's buffer for requests of this length, rewritten by the
+        next call for the same length: use it before then (a pair's requests run one at a
+        time, each synchronized at its end). Per request: one host-to-device copy of the
+        block ids and one op per group (each eager op costs ~15 us of host time, and these
+        rows are on the request's critical path)."""
         k = len(blocks)
-        addr, words = self.addresses(blocks)
-        offs, start = [], 0
+        if k not in self._by_length:
+            self._by_length[k] = self._template(k)
+        rows, host, dev = self._by_length[k]
+        if k:
+            host.numpy()[:] = blocks
+            dev.copy_(host, non_blocking=True)
+        start = 0
+        for g in self.groups:
+            n = g.units * k * g.runs
+            torch.addcmul(g.first_block, dev.view(1, -1, 1), g.stride, out=rows[start:start + n, 0].view(g.units, k, g.runs))
+            start += n
+        return rows
+
+    def _template(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows for ``k`` blocks with their stream offsets and lengths (addresses to fill)."""
+        offs, words, start = [], [], 0
         for g in self.groups:
             pairs = torch.arange(g.units * k, dtype=torch.int64, device=self.device).view(g.units, k, 1)
             offs.append(torch.add(g.prefix + start, pairs, alpha=g.per_block).view(-1))
+            words.append(g.words.expand(g.units, k, g.runs).reshape(-1))
             start += g.units * k * g.per_block
-        return torch.stack([addr, _cat(offs, self.device), words], 1)
+        offs, words = _cat(offs, self.device), _cat(words, self.device)
+        rows = torch.stack([torch.zeros_like(offs), offs, words], 1)
+        host = torch.zeros(k, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return rows, host, torch.zeros(k, dtype=torch.int64, device=self.device)
 
     def span(self, chunk: list[Piece], num_blocks: int) -> tuple[int, int]:
         """The rows [first, stop) of a chunk of whole pieces of a ``num_blocks`` request."""
