@@ -41,7 +41,7 @@ from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 BLOCK = 128
 
 
-def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 3):
+def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 0):
     spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", f"transfer={transfer}",
                     f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60", f"transfer.chunk_ramp={ramp}",
                     f"prefill.block_size={BLOCK}", f"decode.block_size={BLOCK}", f"prefill.kv_page_tokens={page}",
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--transfers", default="nccl,cuda_ipc", help="transfer configs (conf/transfer) to run")
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--staging-mib", type=int, default=256)
-    ap.add_argument("--chunk-ramps", default="3", help="transfer.chunk_ramp values to run (nccl)")
+    ap.add_argument("--chunk-ramps", default="0", help="transfer.chunk_ramp values to run (nccl)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
