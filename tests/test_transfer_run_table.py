@@ -129,6 +129,24 @@ def test_a_table_for_other_blocks_is_caught(graph_of):
     assert torch.equal(got, want)
 
 
+def test_rows_rewritten_per_request_follow_each_requests_blocks(graph_of):
+    """A request's rows rewrite a per-length template: requests of other lengths in
+    between, and a request of the same length with other blocks, leave the next table
+    exactly its own."""
+    graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16")
+    cut = graph.cuts[1]
+    src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
+    plan = cut.over(set(src_caches))
+    dst_bytes = {u.name: u.bytes_per_block for u in graph.rank(CONSUMER, cut.consumer_rank).units}
+    table = RunTable(plan, src_caches, "src")
+    for blocks in (SRC, SRC[:1], SRC[::-1], SRC[1:], SRC):
+        want = torch.empty(packed_nbytes(plan, len(blocks)), dtype=torch.uint8)
+        pack(plan, src_caches, blocks, want, dst_bytes)
+        got = torch.zeros_like(want)
+        copy_runs_mod.copy_runs_reference(table.rows(blocks), shift=got.data_ptr())
+        assert torch.equal(got, want), blocks
+
+
 def test_the_word_size_agrees_with_the_kernel():
     from pdflow.transfer import run_table
 

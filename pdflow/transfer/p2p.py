@@ -44,6 +44,7 @@ from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-e
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
+    RequestChunks,
     bad_blocks,
     choose_mover,
     chunks,
@@ -79,7 +80,7 @@ class P2PPeer:
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
         self.ramp = spec.chunk_ramp
-        self._chunk_lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
+        self._chunks = RequestChunks(plan)
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
         self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
@@ -175,14 +176,6 @@ class P2PPeer:
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
         phases.report()
-
-    def _chunks(self, num_blocks: int, max_bytes: int, ramp: int) -> list[list[Piece]]:
-        """``chunks`` of a request of this length, computed once per length (both ends
-        derive the same list from the pair's plan)."""
-        key = (num_blocks, max_bytes, ramp)
-        if key not in self._chunk_lists:
-            self._chunk_lists[key] = chunks(self.plan, num_blocks, max_bytes, ramp)
-        return self._chunk_lists[key]
 
     def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
                       phases: Phases) -> None:

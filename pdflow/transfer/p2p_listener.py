@@ -24,8 +24,8 @@ from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
+    RequestChunks,
     bad_blocks,
-    chunks,
     device_identity,
     host_buffer,
     pair_group,
@@ -98,7 +98,7 @@ class _Session:
         self.listener, self.conn = listener, conn
         self.table: RunTable | None = None
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
-        self._chunk_lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
+        self.chunks: RequestChunks | None = None  # the pair's, once it is set up
 
     def serve(self) -> None:
         try:
@@ -190,14 +190,8 @@ class _Session:
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
         on_gpu = lis.device.type == "cuda" and hello.mover != "peer"
         self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
+        self.chunks = RequestChunks(plan)
         return ready, (plan, buf, group, sources)
-
-    def _chunks(self, plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int) -> list[list[Piece]]:
-        """``chunks`` of a request of this length, once per length (the producer derives the same)."""
-        key = (num_blocks, max_bytes, ramp)
-        if key not in self._chunk_lists:
-            self._chunk_lists[key] = chunks(plan, num_blocks, max_bytes, ramp)
-        return self._chunk_lists[key]
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
         self.conn.sock.settimeout(None)  # idle between requests
@@ -240,7 +234,7 @@ class _Session:
                 return f"{type(err).__name__}: {err}"
 
         if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
-            parts = self._chunks(plan, len(blocks), buf.numel(), 0)
+            parts = self.chunks(len(blocks), buf.numel())
             rows = build_rows()
             for i, chunk in enumerate(parts):
                 note = self.conn.recv()
@@ -254,7 +248,7 @@ class _Session:
                     self.conn.send(P2PAck(index=i, error=error))
         else:  # two halves: receive chunk i+1 while chunk i is scattered
             half = buf.numel() // 2
-            parts = self._chunks(plan, len(blocks), half, self.listener.spec.chunk_ramp)
+            parts = self.chunks(len(blocks), half, self.listener.spec.chunk_ramp)
             slots = [buf[:half], buf[half:2 * half]]
             pending = {}
 

@@ -138,6 +138,21 @@ def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> lis
     return out
 
 
+class RequestChunks:
+    """A pair's ``chunks`` per request length, computed once per (length, buffer, ramp):
+    both ends of the pair derive the same lists from the same plan."""
+
+    def __init__(self, plan: CutPlan):
+        self.plan = plan
+        self._lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
+
+    def __call__(self, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
+        key = (num_blocks, max_bytes, ramp)
+        if key not in self._lists:
+            self._lists[key] = chunks(self.plan, num_blocks, max_bytes, ramp)
+        return self._lists[key]
+
+
 def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
     """Chunk size limits for ``total`` bytes: a ramp up, even chunks of at most
     ``max_bytes``, the same ramp down (each step only while the bytes left exceed it twice)."""
