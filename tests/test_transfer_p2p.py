@@ -14,10 +14,11 @@ import transfer_kit
 from transfer_kit import caches_for, producer_caches_of, wrong_units
 
 from pdflow import Deployment, SamplingParams, compose
-from pdflow.graph import CONSUMER
-from pdflow.transfer.errors import TransferError
+from pdflow.graph import CONSUMER, PRODUCER, Code
+from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.packing import packed_nbytes
+from pdflow.worker.kv_link import KVLink
 
 one_torch_thread = transfer_kit.one_torch_thread
 transports = transfer_kit.transports  # pooled Mooncake engines
@@ -208,6 +209,30 @@ def test_a_consumer_that_cannot_set_up_the_pair_says_why(graph_of):
                     producer_rank=0, spec=graph.spec.transfer)
     finally:
         listener.close()
+
+
+def test_a_failed_pair_is_a_named_refusal_and_the_producer_rank_lives_on(graph_of):
+    """Through the ranks' KV links: a consumer rank that cannot set a pair up makes the
+    producer rank's pairing answer PAIRING_PEER_FAILED with the consumer's reason (the
+    engine raises PairingRefused), instead of an exception that ends the producer rank."""
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
+    consumers = {r.rank: KVLink(graph, CONSUMER, r.rank, caches_for(r.units, NUM_BLOCKS, fill="poison"))
+                 for r in graph.consumer.ranks}
+    consumers[1].listener.buffer_bytes, consumers[1].listener.fit_to_requests = 1 << 60, False
+    producer = KVLink(graph, PRODUCER, 0, producer_caches_of(graph, NUM_BLOCKS)[0])
+    try:
+        with pytest.raises(PairingRefused) as caught:
+            producer.pair([link.endpoint() for link in consumers.values()])
+        (refusal,) = caught.value.refusals
+        assert refusal.code == Code.PAIRING_PEER_FAILED
+        assert "could not set up the pair" in refusal.message and refusal.fix
+        assert producer.p2p_peers == {}
+        consumers[1].listener.buffer_bytes, consumers[1].listener.fit_to_requests = 0, True
+        producer.pair([link.endpoint() for link in consumers.values()])  # pairs once the consumer can
+        assert sorted(producer.p2p_peers) == [0, 1]
+    finally:
+        for link in (producer, *consumers.values()):
+            link.close()
 
 
 def test_pair_buffers_fit_the_longest_request_not_the_staging_size(graph_of):

@@ -36,6 +36,7 @@ class Code(str, Enum):
     # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
     PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
     PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"
+    PAIRING_PEER_FAILED = "PAIRING_PEER_FAILED"
 
     def __str__(self) -> str:
         return self.value
@@ -52,7 +53,7 @@ STRUCTURAL = frozenset(
 )
 
 # Refusals that need a live peer's published memory, never raised by validate().
-PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID})
+PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID, Code.PAIRING_PEER_FAILED})
 
 # Refusals that need the launching host's facts, never raised by validate().
 HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE})

@@ -17,7 +17,7 @@ from pdflow.graph import CONSUMER, PRODUCER, Code, CutPlan, Refusal, RunGraph, U
 from pdflow.graph.regions import unit_mismatches
 from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
-from pdflow.transfer.errors import PairingRefused
+from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity
 from pdflow.worker.faults import inject_fault
@@ -121,10 +121,20 @@ class KVLink:
                 raise PairingRefused(refusals)
             if self.p2p:
                 if cut.groups:
-                    p2p_peers[cut.consumer_rank] = P2PPeer(
-                        address=endpoint.session_id, consumer_device=endpoint.device, plan=cut, caches=self.caches,
-                        dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
-                        producer_rank=self.rank, spec=self.graph.spec.transfer, transport=self.transport)
+                    try:
+                        p2p_peers[cut.consumer_rank] = P2PPeer(
+                            address=endpoint.session_id, consumer_device=endpoint.device, plan=cut,
+                            caches=self.caches, dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
+                            producer_rank=self.rank, spec=self.graph.spec.transfer, transport=self.transport)
+                    except TransferError as err:  # refused or unreachable: a refusal, the rank lives on
+                        for made in p2p_peers.values():
+                            made.close()
+                        raise PairingRefused([Refusal(
+                            code=Code.PAIRING_PEER_FAILED,
+                            message=f"producer rank {self.graph.rank(PRODUCER, self.rank).label} could not pair "
+                                    f"with consumer rank {consumer.label}: {err}",
+                            fix="read the consumer rank's reason (or its log, if it closed the connection); check "
+                                "that both instances run and that transfer.* agrees on both sides.")]) from err
                 continue
             regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
                                           chunk_blocks=u.chunk_blocks) for u in endpoint.units}
