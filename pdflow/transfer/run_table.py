@@ -3,11 +3,12 @@
 The packed order is ``packing``'s (group, unit pair, block, run), so a buffer packed from
 these rows is byte-identical to ``packing.pack``'s. For each row: the address on this
 rank's side (a producer cache's run, or a consumer cache's), its offset in the stream, and
-its length in words. A request's rows are built once, on the caches' device, with a few
-vectorised ops per group; a chunk of the stream (whole pieces) is a contiguous slice of
-them whose bounds come from the plan's arithmetic on the host, so no chunk rebuilds or
-moves a table (the host-built, per-chunk tables this replaced cost 2-9 ms a chunk at page
-16 against a 0.1 ms copy).
+its length in words. A request's rows live on the caches' device in a table kept per
+request length (offsets and lengths filled once); a request writes only its addresses,
+one op per group; a chunk of the stream (whole pieces) is a contiguous slice of them whose
+bounds come from the plan's arithmetic on the host, so no chunk rebuilds or moves a table
+(the host-built, per-chunk tables this replaced cost 2-9 ms a chunk at page 16 against a
+0.1 ms copy).
 """
 
 from __future__ import annotations
@@ -58,17 +59,6 @@ class RunTable:
         # Per request length: the rows (offsets and lengths filled once), the block ids'
         # pinned host copy and device copy. A request rewrites only the addresses: two ops.
         self._by_length: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def _blocks(self, blocks: Sequence[int]) -> torch.Tensor:
-        host = torch.tensor(list(blocks), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True).view(1, -1, 1)
-
-    def addresses(self, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(address, words) of every run of these blocks, in stream order, on the device."""
-        blk = self._blocks(blocks)
-        addr = [torch.addcmul(g.first_block, blk, g.stride).view(-1) for g in self.groups]
-        words = [g.words.expand(g.units, len(blocks), g.runs).reshape(-1) for g in self.groups]
-        return _cat(addr, self.device), _cat(words, self.device)
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """int64 [n, 3] on the device: (address, stream offset, words) of every run of these
@@ -139,6 +129,5 @@ def direct_rows(src: RunTable, src_blocks: Sequence[int], dst: RunTable, dst_blo
     mapped consumer caches: both tables over the same plan, so their runs pair in order."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-    src_addr, words = src.addresses(src_blocks)
-    dst_addr, _ = dst.addresses(dst_blocks)
-    return torch.stack([src_addr, dst_addr, words], 1)
+    a, b = src.rows(src_blocks), dst.rows(dst_blocks)
+    return torch.stack([a[:, 0], b[:, 0], a[:, 2]], 1)
