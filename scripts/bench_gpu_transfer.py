@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from pdflow import compose  # noqa: E402
 from pdflow.attention.kv_cache import TORCH_DTYPES  # noqa: E402
 from pdflow.graph import CONSUMER, PRODUCER, build_graph  # noqa: E402
+from pdflow.transfer.descriptors import Descriptors  # noqa: E402
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity  # noqa: E402
 from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 
@@ -145,8 +146,6 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9)
             peer = peers.get(1)
             if peer is not None and peer.mover == "mooncake":  # Mooncake's own rate: one bare host write
-                from pdflow.transfer.descriptors import Descriptors
-
                 size = min(packed_nbytes(peer.plan, n), peer.buffer_bytes)
                 bare = Descriptors(src=[peer.host_base], dst=[peer.remote[1]], length=[size])
                 row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.remote[0], bare),

@@ -20,6 +20,7 @@ import pdflow.kernels.copy_runs as copy_runs_mod  # noqa: E402
 from transfer_kit import caches_for, producer_caches_of  # noqa: E402
 
 from pdflow.graph import CONSUMER  # noqa: E402
+from pdflow.transfer import run_table  # noqa: E402
 from pdflow.transfer.p2p import chunks  # noqa: E402
 from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
 from pdflow.transfer.run_table import RunTable, direct_rows  # noqa: E402
@@ -135,21 +136,21 @@ def test_rows_rewritten_per_request_follow_each_requests_blocks(graph_of):
     exactly its own."""
     graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16")
     cut = graph.cuts[1]
-    src_caches = producer_caches_of(graph, 6)[cut.producer_rank]
+    src_caches = producer_caches_of(graph, 12)[cut.producer_rank]
     plan = cut.over(set(src_caches))
     dst_bytes = {u.name: u.bytes_per_block for u in graph.rank(CONSUMER, cut.consumer_rank).units}
     table = RunTable(plan, src_caches, "src")
-    for blocks in (SRC, SRC[:1], SRC[::-1], SRC[1:], SRC):
+    many = [list(range(n))[::-1] for n in range(1, 12)]  # more lengths than the tables it keeps
+    for blocks in (SRC, SRC[:1], SRC[::-1], SRC[1:], SRC, *many):
         want = torch.empty(packed_nbytes(plan, len(blocks)), dtype=torch.uint8)
         pack(plan, src_caches, blocks, want, dst_bytes)
         got = torch.zeros_like(want)
         copy_runs_mod.copy_runs_reference(table.rows(blocks), shift=got.data_ptr())
         assert torch.equal(got, want), blocks
+    assert table._template.cache_info().currsize == run_table.TEMPLATES < 11  # device memory stays bounded
 
 
 def test_the_word_size_agrees_with_the_kernel():
-    from pdflow.transfer import run_table
-
     assert run_table.WORD == copy_runs_mod.WORD
 
 

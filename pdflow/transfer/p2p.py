@@ -44,7 +44,6 @@ from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-e
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
-    RequestChunks,
     bad_blocks,
     choose_mover,
     chunks,
@@ -55,6 +54,8 @@ from pdflow.transfer.p2p_parts import (
     map_cache,
     map_ipc,
     pair_group,
+    pool_blocks,
+    request_chunks,
     size_of,
     synchronize,
 )
@@ -80,7 +81,7 @@ class P2PPeer:
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
         self.ramp = spec.chunk_ramp
-        self._chunks = RequestChunks(plan)
+        self._chunks = request_chunks(plan)
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
         self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
@@ -103,6 +104,7 @@ class P2PPeer:
             # kernels, over NVLink when it lives on another GPU).
             self.dst_caches = {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()}
             self.dst_table = RunTable(plan, self.dst_caches, "dst", device=self.device)
+            self.dst_pool = pool_blocks(plan, self.dst_caches)
             self.buf, self.group = None, None
         elif self.mover == "ipc":
             self.buf, self.group = map_ipc(ready.ipc, self.device), None
@@ -180,7 +182,7 @@ class P2PPeer:
     def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
                       phases: Phases) -> None:
         """``peer``: every run from this rank's caches into the consumer's, one launch."""
-        error = bad_blocks(dst_blocks, self.plan, self.dst_caches)
+        error = bad_blocks(dst_blocks, self.dst_pool)
         if error:  # checked here: a wild address would fault this GPU's context, or theirs
             raise TransferError(error)
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))

@@ -24,11 +24,12 @@ from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
-    RequestChunks,
     bad_blocks,
     device_identity,
     host_buffer,
     pair_group,
+    pool_blocks,
+    request_chunks,
     share_cache,
     share_ipc,
     side_stream,
@@ -98,7 +99,8 @@ class _Session:
         self.listener, self.conn = listener, conn
         self.table: RunTable | None = None
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
-        self.chunks: RequestChunks | None = None  # the pair's, once it is set up
+        self.chunks = None  # the pair's request_chunks, once it is set up
+        self.pool = 0  # the consumer blocks the pair may write
 
     def serve(self) -> None:
         try:
@@ -190,7 +192,8 @@ class _Session:
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
         on_gpu = lis.device.type == "cuda" and hello.mover != "peer"
         self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
-        self.chunks = RequestChunks(plan)
+        self.chunks = request_chunks(plan)
+        self.pool = pool_blocks(plan, lis.caches)
         return ready, (plan, buf, group, sources)
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
@@ -201,7 +204,7 @@ class _Session:
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         phases = Phases("recv", self.listener.device)  # from the request's arrival
         blocks = request.dst_blocks
-        error = bad_blocks(blocks, plan, self.listener.caches)
+        error = bad_blocks(blocks, self.pool)
         if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
             note = self.conn.recv()
             if not isinstance(note, P2PChunk) or note.index != 0:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,19 +139,14 @@ def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> lis
     return out
 
 
-class RequestChunks:
-    """A pair's ``chunks`` per request length, computed once per (length, buffer, ramp):
-    both ends of the pair derive the same lists from the same plan."""
+def request_chunks(plan: CutPlan) -> Callable[..., list[list[Piece]]]:
+    """A pair's ``chunks(num_blocks, max_bytes, ramp=0)``, remembered for the last
+    ``CHUNK_LISTS`` request shapes (both ends of the pair derive the same lists from the
+    same plan; bounded: a server sees every request length)."""
+    return functools.lru_cache(maxsize=CHUNK_LISTS)(functools.partial(chunks, plan))
 
-    def __init__(self, plan: CutPlan):
-        self.plan = plan
-        self._lists: dict[tuple[int, int, int], list[list[Piece]]] = {}
 
-    def __call__(self, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
-        key = (num_blocks, max_bytes, ramp)
-        if key not in self._lists:
-            self._lists[key] = chunks(self.plan, num_blocks, max_bytes, ramp)
-        return self._lists[key]
+CHUNK_LISTS = 64
 
 
 def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
@@ -213,11 +209,15 @@ def size_of(chunk: list[Piece]) -> int:
     return sum(p.nbytes for p in chunk)
 
 
-def bad_blocks(blocks: Sequence[int], plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> str:
-    """Why these consumer block ids cannot be written (checked before any byte lands: on a
-    GPU an out-of-range index would take the whole device context down)."""
-    dst = {d for g in plan.groups for _, d in g.units}
-    limit = min((caches[d].shape[0] for d in dst), default=0)
+def pool_blocks(plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> int:
+    """The consumer blocks every destination unit of ``plan`` holds (a pair's, once)."""
+    return min((caches[d].shape[0] for g in plan.groups for _, d in g.units), default=0)
+
+
+def bad_blocks(blocks: Sequence[int], limit: int) -> str:
+    """Why these consumer block ids (a pool of ``limit``: ``pool_blocks``) cannot be
+    written (checked before any byte lands: on a GPU an out-of-range index would take the
+    whole device context down)."""
     if len(set(blocks)) != len(blocks):
         return f"consumer block ids repeat: {list(blocks)}"
     out = [b for b in blocks if not 0 <= b < limit]

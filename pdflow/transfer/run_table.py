@@ -13,6 +13,7 @@ bounds come from the plan's arithmetic on the host, so no chunk rebuilds or move
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from pdflow.transfer.packing import Piece, block_bytes
 # importing pdflow loads no Triton: the interpreter must be chosen before triton.language
 # is first imported).
 WORD = 8
+TEMPLATES = 8  # request lengths whose row tables a RunTable keeps
 
 
 class RunTable:
@@ -35,7 +37,7 @@ class RunTable:
         self.device = device or next(iter(caches.values())).device
         # Per group, what does not depend on the request: each (unit, run)'s address in
         # block 0, each unit's block stride, each run's length and offset in a block's
-        # packed runs; then the request's rows are a few broadcast ops.
+        # packed runs; then a request's addresses are one broadcast op per group.
         self.groups = []
         self.unit_index: list[dict[tuple[str, str], int]] = []
         for group in plan.groups:
@@ -56,9 +58,10 @@ class RunTable:
                 per_block=group.bytes_per_unit, units=len(names), runs=len(lengths)))
             self.unit_index.append({pair: i for i, pair in enumerate(group.units)})
         self.max_words = max((max(r.length for r in g.runs) // WORD for g in plan.groups if g.runs), default=0)
-        # Per request length: the rows (offsets and lengths filled once), the block ids'
-        # pinned host copy and device copy. A request rewrites only the addresses: two ops.
-        self._by_length: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Per request length (the last TEMPLATES lengths: device memory, bounded): the rows
+        # with offsets and lengths filled once, the block ids' pinned host copy and device
+        # copy. A request rewrites only the addresses.
+        self._template = functools.lru_cache(maxsize=TEMPLATES)(self._build_template)
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """int64 [n, 3] on the device: (address, stream offset, words) of every run of these
@@ -70,9 +73,7 @@ class RunTable:
         block ids and one op per group (each eager op costs ~15 us of host time, and these
         rows are on the request's critical path)."""
         k = len(blocks)
-        if k not in self._by_length:
-            self._by_length[k] = self._template(k)
-        rows, host, dev = self._by_length[k]
+        rows, host, dev = self._template(k)
         if k:
             host.numpy()[:] = blocks
             dev.copy_(host, non_blocking=True)
@@ -83,7 +84,7 @@ class RunTable:
             start += n
         return rows
 
-    def _template(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _build_template(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows for ``k`` blocks with their stream offsets and lengths (addresses to fill)."""
         offs, words, start = [], [], 0
         for g in self.groups:
