@@ -351,6 +351,10 @@ def table(rows: list[dict]) -> str:
 
 
 def git_commit() -> str:
+    """``PDFLOW_GIT_COMMIT`` wins: a copy of the tree without its history (a device
+    machine's) would name a stale commit."""
+    if os.environ.get("PDFLOW_GIT_COMMIT"):
+        return os.environ["PDFLOW_GIT_COMMIT"][:7]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True, cwd=Path(__file__).parent).stdout.strip()

@@ -86,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, choices=[2, 4],
                    help="PPn/TPn on GPUs 0..n-1 (4: the reference deployment's PP4 -> TP4)")
     p.add_argument("--out", help="folder: the table (markdown) and the raw numbers (JSON)")
+    p.add_argument("--mlflow", help="MLflow tracking URI: the table as a parent run, a child per row")
     g = p.add_argument_group("table pd")
     g.add_argument("--drafter", default="none", help="drafter of both modes")
     for name in ("bg_requests", "bg_prompt_len", "bg_output_len", "long_requests", "long_prompt_len",
@@ -421,6 +422,13 @@ def main(argv=None) -> int:
             dict(table=args.table, command=command, hardware=hardware(args.device), commit=git_commit(),
                  args={k: v for k, v in vars(args).items()}, results=raw), indent=2, default=str))
     print("\n" + text, flush=True)
+    if args.mlflow:
+        from bench_mlflow import log_table
+
+        rows = [dict(r, name=n) for n, r in raw.items()] if isinstance(raw, dict) else raw
+        log_table(args.mlflow, experiment="pdflow-bench", table=f"{args.table} ({args.gpus} GPUs)", text=text,
+                  rows=rows, tags={"pdflow.bench.command": command, "pdflow.bench.hardware": hardware(args.device)},
+                  name_of=lambda r: r.get("name") or f"{r.get('layout')}:{r.get('drafter')}")
     failed = any("error" in r for r in (raw.values() if isinstance(raw, dict) else raw))
     return 1 if failed else 0
 

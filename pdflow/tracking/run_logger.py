@@ -73,6 +73,12 @@ class TrackedRun:
 
     def log_config(self, tree: dict, yaml_text: str) -> None:
         """Params flattened from the resolved config, and the config itself as YAML."""
+        if self.enabled:
+            self.log_params(tree)
+            self.log_text("config.yaml", yaml_text)
+
+    def log_params(self, tree: dict) -> None:
+        """A nested dict as params (keys joined with dots, cut to MLflow's limits)."""
         if not self.enabled:
             return
         from mlflow.entities import Param
@@ -80,7 +86,6 @@ class TrackedRun:
         params = [Param(k, v) for k, v in config_params(tree).items()]
         for i in range(0, len(params), 100):  # MLflow's batch limit for params
             self._client.log_batch(self.run_id, params=params[i:i + 100])
-        self.log_text("config.yaml", yaml_text)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         if not self.enabled or not metrics:

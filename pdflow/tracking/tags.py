@@ -11,6 +11,7 @@ from pathlib import Path
 
 CHOICE = "pdflow.choice."
 SKIPPED_CHOICE_PREFIXES = ("hydra/",)
+COMMIT_ENV = "PDFLOW_GIT_COMMIT"  # names the commit where git cannot (a copied tree)
 
 
 def hydra_tags() -> dict[str, str]:
@@ -34,6 +35,9 @@ def hydra_tags() -> dict[str, str]:
 
 def git_tags(where: Path | None = None) -> dict[str, str]:
     where = where or Path(__file__).resolve().parent
+    if os.environ.get(COMMIT_ENV):  # a copy of the tree without its history names no real commit
+        commit = os.environ[COMMIT_ENV]
+        return {"mlflow.source.git.commit": commit, "pdflow.git_commit": commit, "pdflow.git_dirty": "unknown"}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
                                 timeout=5, check=True).stdout.strip()
