@@ -164,7 +164,12 @@ def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
     return head + [max(-(-left // n), floor)] * n + head[::-1]
 
 
-def pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, device: torch.device) -> dist.ProcessGroup:
+    """The pair's two-rank group (rank 1 the producer), connected before it returns: one
+    byte crosses it, both ends waiting. NCCL builds a communicator on its first operation;
+    built during traffic, while another pair's receive is in flight on the same GPU, two
+    ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs: each consumer
+    rank pairs with three producer stages over NCCL). At pairing nothing else is in flight."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, 2)
     store.set_timeout(timeout)
@@ -172,10 +177,15 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float) -> dist
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         opts._timeout = timeout
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+        group = dist.ProcessGroupGloo(store, rank, 2, opts)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    probe = torch.ones(1, dtype=torch.uint8, device=device)
+    (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
+    synchronize(device)
+    return group
 
 
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
