@@ -2,8 +2,8 @@
 decode TP2 share GPUs 0-1 (nccl: each producer stage writes its own GPU's decode rank
 through an IPC-mapped buffer and the other's over NCCL; cuda_ipc: its copy kernel writes
 both ranks' mapped caches, over NVLink for the other GPU), and a TP1 -> TP1 pair across the
-GPUs (NCCL alone). Greedy tokens equal a monolithic instance's, the DSpark drafter's
-context K/V riding the same pairs."""
+GPUs (NCCL alone); on four GPUs, PP4 -> TP4 co-located. Greedy tokens equal a monolithic
+instance's, the DSpark drafter's context K/V riding the same pairs."""
 
 from __future__ import annotations
 
@@ -60,4 +60,26 @@ CO_LOCATED = ["prefill=pp2", "decode=tp2", "decode.device_offset=0"]
 def test_pd_over_nccl_equals_monolithic(monolithic, layout):
     tokens, accepted = _run(layout)
     assert tokens == monolithic[0]
+    assert accepted > 0
+
+
+FOUR_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+
+
+@FOUR_GPUS
+def test_pp4_to_tp4_co_located_over_nccl_equals_monolithic_tp4():
+    """The reference deployment's layout on four GPUs: each decode rank pairs with three
+    producer stages over NCCL (and its own GPU's stage over IPC), many requests in flight.
+    Before pairs connected their communicators at pairing, every transfer here timed out."""
+    prompts = [p for p in _prompts() for _ in range(4)]
+
+    def run(overrides):
+        with Deployment(compose([*BASE, *overrides, "decode.device_offset=0"])) as d:
+            outs = d.generate(prompts, GREEDY)
+            assert all(o.error is None for o in outs), [o.error for o in outs][:3]
+            return [o.token_ids for o in outs], sum(o.num_accepted for o in outs)
+
+    one, _ = run(["transfer=nccl", "mode=monolithic", "prefill=tp4", "decode=tp4"])
+    pd, accepted = run(["transfer=nccl", "prefill=pp4", "decode=tp4"])
+    assert pd == one
     assert accepted > 0
