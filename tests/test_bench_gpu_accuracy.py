@@ -1,0 +1,53 @@
+"""scripts/bench_gpu_accuracy.py (issue 18's accuracy table) on CPU at the tiniest size: the
+one-process row and a P/D PP2 -> TP2 DSpark row, greedy tokens equal, drafts accepted, no
+block held, and the table logged to MLflow as a parent run with a child per row (a failed
+row a FAILED child with its error)."""
+
+from __future__ import annotations
+
+import json
+
+import bench_gpu_accuracy  # scripts/ is on sys.path (conftest)
+import bench_mlflow
+import mlflow
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(uri: str):
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("pdflow-bench")
+    return client.search_runs([exp.experiment_id])
+
+
+def test_accuracy_rows_and_their_mlflow_runs(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    code = bench_gpu_accuracy.main(["--device", "cpu", "--gpus", "2", "--n", "2", "--per-depth", "1",
+                                    "--max-tokens", "24", "--context-len", "300", "--rows", "P/D PP2->TP2 dspark",
+                                    "--mlflow", uri, "--out", str(tmp_path)])
+    assert code == 0
+    rows = json.loads((tmp_path / "accuracy.json").read_text())["results"]
+    assert [r["name"] for r in rows] == ["one process", "P/D PP2->TP2 dspark"]
+    one, pd = rows
+    assert pd["identical"] == pd["requests"] == 2 + 5  # two problems, one fact at each of five depths
+    assert one["acceptance"] is None and pd["acceptance"] > 0 and pd["tokens_per_forward"] > 1
+    assert set(pd["needle"]) >= {"needle_accuracy", "needle_accuracy_depth_0.50"}
+    assert pd["blocks_held_after"] == {"prefill": 0, "decode": 0}
+    runs = {r.info.run_name: r for r in _runs(uri)}
+    parent = runs.pop("accuracy PP2->TP2")
+    assert set(runs) == {"one process", "P/D PP2->TP2 dspark"}
+    child = runs["P/D PP2->TP2 dspark"]
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.info.status == "FINISHED"
+    assert child.data.metrics["acceptance"] == pytest.approx(pd["acceptance"])
+    assert child.data.metrics["arith.arith_strict"] == pd["arith"]["arith_strict"]
+
+
+def test_a_failed_row_is_a_failed_child_run(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    bench_mlflow.log_table(uri, experiment="pdflow-bench", table="t", text="| table |", tags={},
+                           rows=[dict(name="good", x=1.5, layout=[2, 2]), dict(name="bad", error="refused: X")])
+    runs = {r.info.run_name: r for r in _runs(uri)}
+    assert runs["good"].info.status == "FINISHED" and runs["good"].data.metrics["x"] == 1.5
+    assert runs["good"].data.params["layout"] == "[2, 2]"
+    assert runs["bad"].info.status == "FAILED" and "refused: X" in runs["bad"].data.tags["pdflow.error"]
