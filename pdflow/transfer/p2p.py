@@ -117,7 +117,7 @@ class P2PPeer:
                 self.buffer_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-            self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s, self.device)
+            self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s, self.buf[:self.buffer_bytes // 2])
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None

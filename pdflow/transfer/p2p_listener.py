@@ -142,7 +142,7 @@ class _Session:
         if ready.store_path:  # the pair's process group: both ends meet in its rendezvous
             if lis.device.type == "cuda":
                 torch.cuda.set_device(lis.device)
-            group = pair_group(hello.mover, ready.store_path, 0, lis.spec.timeout_s, lis.device)
+            group = pair_group(hello.mover, ready.store_path, 0, lis.spec.timeout_s, buf[:buf.numel() // 2])
         return plan, buf, group, sources
 
     def _refusal(self, hello: P2PHello) -> tuple[str, CutPlan | None]:

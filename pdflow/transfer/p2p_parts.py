@@ -164,12 +164,15 @@ def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
     return head + [max(-(-left // n), floor)] * n + head[::-1]
 
 
-def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, device: torch.device) -> dist.ProcessGroup:
-    """The pair's two-rank group (rank 1 the producer), connected before it returns: one
-    byte crosses it, both ends waiting. NCCL builds a communicator on its first operation;
-    built during traffic, while another pair's receive is in flight on the same GPU, two
-    ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs: each consumer
-    rank pairs with three producer stages over NCCL). At pairing nothing else is in flight."""
+def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: torch.Tensor) -> dist.ProcessGroup:
+    """The pair's two-rank group (rank 1 the producer), connected before it returns:
+    ``probe`` (the largest message the pair will carry: half its buffer) crosses it, both
+    ends waiting. NCCL builds a communicator, and its peer connections, on the first
+    operation, allocating and mapping device memory, which waits for kernels already
+    running on the GPU; built during traffic, while another pair's receive waits on the
+    same GPU, two ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs:
+    each consumer rank pairs with three producer stages over NCCL; NVIDIA/nccl#195). At
+    pairing nothing else is in flight."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, 2)
     store.set_timeout(timeout)
@@ -182,9 +185,8 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, device:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, 2, opts)
-    probe = torch.ones(1, dtype=torch.uint8, device=device)
     (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
-    synchronize(device)
+    synchronize(probe.device)
     return group
 
 
