@@ -14,6 +14,7 @@ a plain gather-scatter (a producer writing straight into a consumer's caches).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -39,21 +40,44 @@ def _copy_runs_kernel(table_ptr, shift, BLOCK: tl.constexpr, REVERSE: tl.constex
     tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
 
 
-def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: bool = False) -> None:
+@triton.jit
+def _copy_runs_strided_kernel(table_ptr, shift, n_slices, parts, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """A fixed number of programs, each walking slices (run, part) with the grid's stride."""
+    for idx in range(tl.program_id(0), n_slices, tl.num_programs(0)):
+        run = idx // parts
+        part = idx % parts
+        a = tl.load(table_ptr + run * 3)
+        b = tl.load(table_ptr + run * 3 + 1) + shift
+        if REVERSE:
+            src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
+        else:
+            src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
+        words = tl.load(table_ptr + run * 3 + 2)
+        offs = part * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < words
+        tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+
+
+def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: bool = False,
+              programs: int = 0) -> None:
     """Copy every run of ``table`` (int64 [n, 3], contiguous rows, on the device that
     launches: a, b, length in words) from ``a`` to ``b + shift`` (``reverse``: back);
-    ``max_words`` bounds the lengths."""
+    ``max_words`` bounds the lengths. ``programs`` > 0 caps the launch at that many
+    programs (each walks slices with the grid's stride), so a pack running beside an NCCL
+    transfer leaves it SMs and memory bandwidth; 0: one program per slice."""
     if table.numel() == 0:
         return
     if table.stride() != (3, 1):
         raise ValueError("copy_runs takes a table of contiguous [n, 3] rows")
     block = min(2048, triton.next_power_of_2(max(max_words, 16)))
-    grid = (table.shape[0], triton.cdiv(max_words, block))
-    if not table.is_cuda:  # the interpreter, on CPU tensors
-        _copy_runs_kernel[grid](table, shift, BLOCK=block, REVERSE=reverse)
-        return
-    with torch.cuda.device(table.device):  # Triton launches on the current device
-        _copy_runs_kernel[grid](table, shift, BLOCK=block, REVERSE=reverse)
+    parts = triton.cdiv(max_words, block)
+    with torch.cuda.device(table.device) if table.is_cuda else contextlib.nullcontext():  # Triton: current device
+        if programs > 0:
+            n_slices = table.shape[0] * parts
+            _copy_runs_strided_kernel[(min(programs, n_slices),)](table, shift, n_slices, parts, BLOCK=block,
+                                                                   REVERSE=reverse)
+        else:
+            _copy_runs_kernel[(table.shape[0], parts)](table, shift, BLOCK=block, REVERSE=reverse)
 
 
 def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:

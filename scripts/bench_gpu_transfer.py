@@ -42,9 +42,11 @@ from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 BLOCK = 128
 
 
-def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 0):
+def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 0,
+              programs: int = 0):
     spec = compose([f"model={model}", "prefill=tp1", "decode=tp2", "drafter=none", f"transfer={transfer}",
                     f"transfer.staging_mib={staging_mib}", "transfer.timeout_s=60", f"transfer.chunk_ramp={ramp}",
+                    f"transfer.copy_programs={programs}",
                     f"prefill.block_size={BLOCK}", f"decode.block_size={BLOCK}", f"prefill.kv_page_tokens={page}",
                     f"decode.kv_page_tokens={page}", f"prefill.device={device}", f"decode.device={device}"])
     return build_graph(spec)
@@ -83,8 +85,8 @@ def _baseline_group(args, rank: int, path: str):
 def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
     device = _device(args, rank)
     group = _baseline_group(args, 1, base_path) if rank == 1 else None
-    for page, transfer, ramp in combos(args):
-        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp)
+    for page, transfer, ramp, programs in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp, programs)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
         # The buffer as given: this bench allocates its caches itself, so the graph's pool
@@ -119,8 +121,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
     device = _device(args, 0)
     group = _baseline_group(args, 0, base_path)
     rows = []
-    for page, transfer, ramp in combos(args):
-        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp)
+    for page, transfer, ramp, programs in combos(args):
+        graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp, programs)
         blocks = max(args.tokens) // BLOCK
         mine = caches(graph.rank(PRODUCER, 0).units, blocks, device, seed=args.seed)
         addresses = {}
@@ -139,7 +141,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             n = tokens // BLOCK
             src = list(range(n))
             dst = list(range(n))[::-1]  # scattered: the consumer's blocks in another order
-            row = {"transfer": transfer if transfer != "nccl" else f"nccl ramp {ramp}", "page": page, "tokens": tokens}
+            row = {"transfer": label(transfer, ramp, programs), "page": page, "tokens": tokens}
             for rank, peer in peers.items():
                 nbytes = packed_nbytes(peer.plan, n)
                 secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
@@ -189,10 +191,17 @@ def _transport(graph):
     return MooncakeTransport(graph.spec.transfer)
 
 
-def combos(args) -> list[tuple[int, str, int]]:
-    """(page, transfer, chunk ramp): the ramps apply to the pipelined pairs (``nccl``) only."""
-    return [(page, transfer, ramp) for page in args.pages for transfer in args.transfers
-            for ramp in (args.chunk_ramps if transfer == "nccl" else args.chunk_ramps[:1])]
+def combos(args) -> list[tuple[int, str, int, int]]:
+    """(page, transfer, chunk ramp, copy programs): the ramps apply to the pipelined pairs
+    (``nccl``) only, the copy programs to the GPU copies (``nccl``, ``cuda_ipc``)."""
+    return [(page, transfer, ramp, programs) for page in args.pages for transfer in args.transfers
+            for ramp in (args.chunk_ramps if transfer == "nccl" else args.chunk_ramps[:1])
+            for programs in (args.copy_programs if transfer in ("nccl", "cuda_ipc") else args.copy_programs[:1])]
+
+
+def label(transfer: str, ramp: int, programs: int) -> str:
+    name = f"nccl ramp {ramp}" if transfer == "nccl" else transfer
+    return f"{name}, {programs} programs" if programs else name
 
 
 def _timed(fn, reps: int, device) -> float:
@@ -238,12 +247,14 @@ def main() -> None:
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--staging-mib", type=int, default=256)
     ap.add_argument("--chunk-ramps", default="0", help="transfer.chunk_ramp values to run (nccl)")
+    ap.add_argument("--copy-programs", default="0", help="transfer.copy_programs values to run (nccl, cuda_ipc)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.pages = [int(x) for x in args.pages.split(",")]
     args.transfers = args.transfers.split(",")
     args.chunk_ramps = [int(x) for x in args.chunk_ramps.split(",")]
+    args.copy_programs = [int(x) for x in args.copy_programs.split(",")]
     args.tokens = sorted(int(x) for x in args.tokens.split(","))
     ctx = mp.get_context("spawn")
     outbox, result = ctx.Queue(), ctx.Queue()

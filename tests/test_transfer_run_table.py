@@ -34,10 +34,11 @@ OVERRIDES = ["transfer=nccl", "prefill=pp2", "decode=tp2", "drafter=dspark", "pr
 
 
 def _copy(kind: str, table: torch.Tensor, max_words: int, **how) -> None:
-    if kind == "triton":
+    if kind.startswith("triton"):
         if torch.cuda.is_available():
             pytest.skip("CPU tensors through the interpreter; on a GPU the transfer bench checks the kernel")
-        copy_runs_mod.copy_runs(table, max_words, **how)
+        # "triton-strided": three programs walk every slice (transfer.copy_programs)
+        copy_runs_mod.copy_runs(table, max_words, programs=3 if kind == "triton-strided" else 0, **how)
     else:
         copy_runs_mod.copy_runs_reference(table, **how)
 
@@ -59,7 +60,7 @@ def _setup(graph_of, page: int):
     return plan, units, src_caches, want, want_caches
 
 
-@pytest.mark.parametrize("kind", ["triton", "reference"])
+@pytest.mark.parametrize("kind", ["triton", "triton-strided", "reference"])
 @pytest.mark.parametrize("page", [16, 32])
 def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
     plan, units, src_caches, want, want_caches = _setup(graph_of, page)
@@ -83,7 +84,7 @@ def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
         assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("kind", ["triton", "reference"])
+@pytest.mark.parametrize("kind", ["triton", "triton-strided", "reference"])
 def test_direct_rows_write_caches_like_packing(graph_of, kind):
     """transfer=cuda_ipc: producer caches straight into consumer caches, one launch."""
     plan, units, src_caches, _, want_caches = _setup(graph_of, 32)

@@ -43,6 +43,10 @@ class TransferSpec:
     # the first send starts after a short pack and the last scatter is short, at the cost of
     # more messages. 0 (default): even chunks; on two H200s ramps of 2-3 measured no gain.
     chunk_ramp: int = 0
+    # Pack, scatter and direct writes on a GPU: at most this many programs per copy launch
+    # (each walks run slices with the grid's stride), leaving NCCL's kernels SMs and memory
+    # bandwidth while a chunk is on the wire; 0 (default): one program per run slice.
+    copy_programs: int = 0
     # A request's transfer deadline, on both sides.
     timeout_s: float = 30.0
     # Unit families ("mha", "draft") cut as if their page were the whole block: a
@@ -72,6 +76,8 @@ class TransferSpec:
             raise ValueError("transfer.staging_mib must be 1..2047 (one registration stays under 2 GiB)")
         if not 0 <= self.chunk_ramp <= 8:
             raise ValueError("transfer.chunk_ramp must be 0..8 (halvings of the first and last chunks)")
+        if self.copy_programs < 0:
+            raise ValueError("transfer.copy_programs must be >= 0 (0: one program per run slice)")
         if self.timeout_s <= 0:
             raise ValueError("transfer.timeout_s must be > 0")
         if self.retries < 0 or self.retry_backoff_s < 0:

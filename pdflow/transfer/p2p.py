@@ -80,7 +80,7 @@ class P2PPeer:
         host, port = address.rsplit(":", 1)
         self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
-        self.ramp = spec.chunk_ramp
+        self.ramp, self.copy_programs = spec.chunk_ramp, spec.copy_programs
         self._chunks = request_chunks(plan)
         self._lock = threading.Lock()
         sources = sorted({s for g in plan.groups for s, _ in g.units})
@@ -190,7 +190,7 @@ class P2PPeer:
         phases.mark("rows")
         from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-        copy_runs(rows, self.table.max_words)
+        copy_runs(rows, self.table.max_words, programs=self.copy_programs)
         synchronize(self.device)  # in their caches once this returns: one-sided, no ack to wait for
         phases.mark("write")
         self.conn.send(P2PChunk(index=0, nbytes=packed_nbytes(self.plan, len(src_blocks))))
@@ -211,7 +211,8 @@ class P2PPeer:
             first, stop = self.table.span(chunk, len(src_blocks))
             from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-            copy_runs(rows[first:stop], self.table.max_words, shift=out.data_ptr() - base)
+            copy_runs(rows[first:stop], self.table.max_words, shift=out.data_ptr() - base,
+                      programs=self.copy_programs)
             return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],

@@ -227,7 +227,8 @@ class _Session:
                     first, stop = self.table.span(chunk, len(blocks))
                     from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
 
-                    copy_runs(rows[first:stop], self.table.max_words, shift=data.data_ptr() - base, reverse=True)
+                    copy_runs(rows[first:stop], self.table.max_words, shift=data.data_ptr() - base, reverse=True,
+                              programs=self.listener.spec.copy_programs)
                     return ""
                 for p in chunk:
                     unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
