@@ -51,3 +51,16 @@ def test_a_failed_row_is_a_failed_child_run(tmp_path):
     assert runs["good"].info.status == "FINISHED" and runs["good"].data.metrics["x"] == 1.5
     assert runs["good"].data.params["layout"] == "[2, 2]"
     assert runs["bad"].info.status == "FAILED" and "refused: X" in runs["bad"].data.tags["pdflow.error"]
+
+
+def test_the_export_holds_every_run_with_its_numbers_and_tables(tmp_path):
+    import export_mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    bench_mlflow.log_table(uri, experiment="pdflow-bench", table="t", text="| the table |", tags={},
+                           rows=[dict(name="a", x=2.0), dict(name="b", x=3.0)])
+    assert export_mlflow.main(["--uri", uri, "--out", str(tmp_path / "runs.json")]) == 0
+    runs = {r["name"]: r for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
+    assert runs["t"]["artifacts"]["table.md"] == "| the table |"
+    assert runs["a"]["metrics"] == {"x": 2.0} and runs["b"]["parent"] == runs["t"]["run_id"]
+    assert json.loads(runs["b"]["artifacts"]["row.json"])["x"] == 3.0
