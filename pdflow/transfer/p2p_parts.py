@@ -172,7 +172,8 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: 
     running on the GPU; built during traffic, while another pair's receive waits on the
     same GPU, two ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs:
     each consumer rank pairs with three producer stages over NCCL; NVIDIA/nccl#195). At
-    pairing nothing else is in flight."""
+    pairing no transfer waits on the pair being built. Gloo connects when it is made: a
+    few bytes check it."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, 2)
     store.set_timeout(timeout)
@@ -181,6 +182,7 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: 
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         opts._timeout = timeout
         group = dist.ProcessGroupGloo(store, rank, 2, opts)
+        probe = probe[:8]
     else:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
