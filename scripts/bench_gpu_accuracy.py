@@ -37,7 +37,7 @@ def layouts(n: int) -> dict[str, list[str]]:
     return {
         "one process": ["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=none"],
         f"P/D PP{n}->TP{n} dspark": pd,
-        f"P/D PP{n}->TP{n} dspark, page-ignorant draft cut": [*pd, "transfer.force_page_ignorant_cut=[draft]"],
+        f"P/D PP{n}->TP{n} dspark (page-ignorant draft cut)": [*pd, "transfer.force_page_ignorant_cut=[draft]"],
         f"P/D TP{n}->TP{n} dspark": [f"prefill=tp{n}", f"decode=tp{n}", "drafter=dspark"],
     }
 
@@ -152,7 +152,21 @@ def table(args, rows: list[dict]) -> str:
                  fmt(r["needle"]["needle_accuracy"], ".2f"), *[fmt(r["needle"][d], ".2f") for d in depths],
                  json.dumps(r["blocks_held_after"])]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + verdicts(args, rows))
+
+
+def verdicts(args, rows: list[dict]) -> list[str]:
+    """What the table says about the cut: the forced wrong draft cut must keep the target's
+    tokens (its KV is exact) and lose acceptance against the right cut of the same layout."""
+    by = {r["name"]: r for r in rows if "error" not in r}
+    right, wrong = by.get(f"P/D PP{args.gpus}->TP{args.gpus} dspark"), by.get(
+        f"P/D PP{args.gpus}->TP{args.gpus} dspark (page-ignorant draft cut)")
+    if not right or not wrong or right["acceptance"] is None or wrong["acceptance"] is None:
+        return []
+    caught = wrong["acceptance"] < right["acceptance"] - 0.02
+    return ["", f"page-ignorant draft cut: acceptance {wrong['acceptance']:.3f} against {right['acceptance']:.3f} "
+                f"with the right cut, {wrong['identical']}/{wrong['requests']} requests' tokens unchanged: "
+                + ("caught (acceptance drops, outputs do not)" if caught else "NOT caught")]
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """scripts/bench_gpu_accuracy.py (issue 18's accuracy table) on CPU at the tiniest size: the
-one-process row and a P/D PP2 -> TP2 DSpark row, greedy tokens equal, drafts accepted, no
-block held, and the table logged to MLflow as a parent run with a child per row (a failed
+one-process row, a P/D PP2 -> TP2 DSpark row and the same with the page-ignorant draft cut
+forced (tokens equal, acceptance lower: the table says "caught"), no block held, and the table logged to MLflow as a parent run with a child per row (a failed
 row a FAILED child with its error)."""
 
 from __future__ import annotations
@@ -24,19 +24,23 @@ def _runs(uri: str):
 def test_accuracy_rows_and_their_mlflow_runs(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     code = bench_gpu_accuracy.main(["--device", "cpu", "--gpus", "2", "--n", "2", "--per-depth", "1",
-                                    "--max-tokens", "24", "--context-len", "300", "--rows", "P/D PP2->TP2 dspark",
+                                    "--max-tokens", "24", "--context-len", "300",
+                                    "--rows", "P/D PP2->TP2 dspark,P/D PP2->TP2 dspark (page-ignorant draft cut)",
                                     "--mlflow", uri, "--out", str(tmp_path)])
     assert code == 0
     rows = json.loads((tmp_path / "accuracy.json").read_text())["results"]
-    assert [r["name"] for r in rows] == ["one process", "P/D PP2->TP2 dspark"]
-    one, pd = rows
+    assert [r["name"] for r in rows] == ["one process", "P/D PP2->TP2 dspark",
+                                         "P/D PP2->TP2 dspark (page-ignorant draft cut)"]
+    one, pd, wrong = rows
+    assert wrong["identical"] == wrong["requests"] and wrong["acceptance"] < pd["acceptance"]
+    assert "caught (acceptance drops, outputs do not)" in (tmp_path / "accuracy.md").read_text()
     assert pd["identical"] == pd["requests"] == 2 + 5  # two problems, one fact at each of five depths
     assert one["acceptance"] is None and pd["acceptance"] > 0 and pd["tokens_per_forward"] > 1
     assert set(pd["needle"]) >= {"needle_accuracy", "needle_accuracy_depth_0.50"}
     assert pd["blocks_held_after"] == {"prefill": 0, "decode": 0}
     runs = {r.info.run_name: r for r in _runs(uri)}
     parent = runs.pop("accuracy PP2->TP2")
-    assert set(runs) == {"one process", "P/D PP2->TP2 dspark"}
+    assert set(runs) == {"one process", "P/D PP2->TP2 dspark", "P/D PP2->TP2 dspark (page-ignorant draft cut)"}
     child = runs["P/D PP2->TP2 dspark"]
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.info.status == "FINISHED"
     assert child.data.metrics["acceptance"] == pytest.approx(pd["acceptance"])
