@@ -25,9 +25,8 @@ WORD = 8  # bytes per element copied: every run's address and length is a multip
 
 
 @triton.jit
-def _copy_runs_kernel(table_ptr, shift, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    run = tl.program_id(0)
-    part = tl.program_id(1)
+def _copy_slice(table_ptr, shift, run, part, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """Slice ``part`` of run ``run``: up to BLOCK words."""
     a = tl.load(table_ptr + run * 3)
     b = tl.load(table_ptr + run * 3 + 1) + shift
     if REVERSE:
@@ -41,21 +40,15 @@ def _copy_runs_kernel(table_ptr, shift, BLOCK: tl.constexpr, REVERSE: tl.constex
 
 
 @triton.jit
+def _copy_runs_kernel(table_ptr, shift, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    _copy_slice(table_ptr, shift, tl.program_id(0), tl.program_id(1), BLOCK, REVERSE)
+
+
+@triton.jit
 def _copy_runs_strided_kernel(table_ptr, shift, n_slices, parts, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     """A fixed number of programs, each walking slices (run, part) with the grid's stride."""
     for idx in range(tl.program_id(0), n_slices, tl.num_programs(0)):
-        run = idx // parts
-        part = idx % parts
-        a = tl.load(table_ptr + run * 3)
-        b = tl.load(table_ptr + run * 3 + 1) + shift
-        if REVERSE:
-            src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
-        else:
-            src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
-        words = tl.load(table_ptr + run * 3 + 2)
-        offs = part * BLOCK + tl.arange(0, BLOCK)
-        keep = offs < words
-        tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+        _copy_slice(table_ptr, shift, idx // parts, idx % parts, BLOCK, REVERSE)
 
 
 def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: bool = False,
