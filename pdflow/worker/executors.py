@@ -5,6 +5,7 @@ and run the same ``build_stage``.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 import torch
@@ -20,6 +21,19 @@ from pdflow.worker.stage import Stage, build_stage, rank_device
 RANK_TARGET = "pdflow.worker.rank_loop:serve_rank"
 
 
+def on_own_device(method):
+    """Runs an in-process executor's method with its GPU current: two in-process instances
+    on two GPUs share a thread, and Triton launches on the current device."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+    return wrapped
+
+
 class InProcessExecutor:
     """The whole model (TP1/PP1) on this process's device. One step in flight: ``submit``
     runs it, ``collect`` hands the result back. Under overlap scheduling two: ``submit``
@@ -33,18 +47,24 @@ class InProcessExecutor:
         plan = graph.instance(role)
         if len(plan.ranks) != 1:
             raise ValueError(f"{role} has {len(plan.ranks)} ranks; the in-process executor runs one")
-        device = rank_device(parallel_of(graph.spec, role), plan.ranks[0])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        self.device = rank_device(parallel_of(graph.spec, role), plan.ranks[0])
+        if self.device.type == "cuda":  # as a rank process does; methods below re-enter it
+            torch.cuda.set_device(self.device)
         self.graph, self.role = graph, role
-        self.stage: Stage | None = build_stage(graph, role, 0, device)
-        self.stage.warm_up()
+        self.stage: Stage | None = None
+        self._build()
         self.overlap = overlap_scheduling(graph.spec, role)
         self.depth = 2 if self.overlap else 1
         self._done: deque[StepOutput | LaunchedStep] = deque()
         # Overlap: the last launched step's number and its sampled tokens, on the device.
         self._samples: tuple[int, torch.Tensor] | None = None
 
+    @on_own_device
+    def _build(self) -> None:
+        self.stage = build_stage(self.graph, self.role, 0, self.device)
+        self.stage.warm_up()
+
+    @on_own_device
     def submit(self, step: StepInput) -> None:
         if not self.overlap:
             self._done.append(self.execute(step))
@@ -63,10 +83,12 @@ class InProcessExecutor:
         self._samples = (step.step, tokens)
         self._done.append(launched)
 
+    @on_own_device
     def collect(self) -> StepOutput:
         done = self._done.popleft()
         return done.result() if isinstance(done, LaunchedStep) else done
 
+    @on_own_device
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         stage = self.stage
@@ -87,12 +109,14 @@ class InProcessExecutor:
     def check(self) -> None:
         """The rank is this process: alive while this runs."""
 
+    @on_own_device
     def control(self, message: ControlMessage) -> list[Message]:
         """Answer a control message (one rank: one answer)."""
         if self.stage is None:
             raise RuntimeError("this instance has been shut down")
         return [handle_control(self.stage, self.graph, self.role, 0, message)]
 
+    @on_own_device
     def shutdown(self) -> None:
         if self.stage is not None:
             self.stage.release()
