@@ -38,13 +38,17 @@ class BucketGraphs:
 
     def capture(self, buckets: list[int], device: torch.device, prepare: Callable[[int], Callable[[], object]]) -> None:
         """``prepare(bs)`` fills bucket ``bs``'s static inputs and returns the call to capture."""
+        # A capture stream of this device: torch.cuda.graph's default one is made once per
+        # process, on whichever GPU first captured, and a second GPU's kernels cannot be
+        # captured on it (two in-process instances on two GPUs).
+        stream = torch.cuda.Stream(device)
         for bs in sorted(buckets, reverse=True):
             step = prepare(bs)
             torch.cuda.synchronize(device)
             step()  # warm-up, outside the capture
             graph = torch.cuda.CUDAGraph()
             # thread_local: the NCCL watchdog thread may query events while we capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 self.outputs[bs] = step()
             if self.pool is None:
                 self.pool = graph.pool()
