@@ -43,11 +43,8 @@ def monolithic():
     return _run(["transfer=nccl", "mode=monolithic", "prefill=tp2", "decode=tp2", "decode.device_offset=0"])
 
 
-ACROSS = pytest.param(
-    ["transfer=nccl", "prefill=tp1", "decode=tp1", "decode.device_offset=1"], id="tp1->tp1 across GPUs (nccl)",
-    marks=pytest.mark.xfail(reason="open bug: both TP1 instances run in the owner process (in-process "
-                            "executor); the one on GPU 1 fails Triton's pointer check while capturing its "
-                            "CUDA graphs at start-up (rms_norm), before any transfer"))
+ACROSS = pytest.param(["transfer=nccl", "prefill=tp1", "decode=tp1", "decode.device_offset=1"],
+                      id="tp1->tp1 across GPUs (nccl)")
 
 
 CO_LOCATED = ["prefill=pp2", "decode=tp2", "decode.device_offset=0"]
