@@ -113,6 +113,9 @@ def rows_of(args, model: list[str]) -> list[dict]:
 
     base = [*model, *device_overrides(args), *args.overrides]
     wanted = set(r.strip() for r in args.rows.split(",")) if args.rows else None
+    if wanted is not None and wanted - set(layouts(args.gpus)):
+        raise SystemExit(f"unknown rows {sorted(wanted - set(layouts(args.gpus)))}; "
+                         f"choose from {list(layouts(args.gpus))}")
     out = []
     for name, extra in layouts(args.gpus).items():
         if wanted is not None and name not in wanted and name != "one process":
@@ -148,7 +151,7 @@ def table(args, rows: list[dict]) -> str:
             lines.append(f"| {r['name']} | FAILED: {r['error']} |" + " |" * (len(head) - 2))
             continue
         cells = [r["name"], fmt(r["arith"]["arith_strict"]), fmt(r["arith"]["arith_flexible"]),
-                 fmt(r["acceptance"]), fmt(r["tokens_per_forward"], ".2f"), f"{r['identical']}/{r['requests']}",
+                 fmt(r["acceptance"]), fmt(r["tokens_per_forward"], ".2f"), f"{r['identical']}/{r['requests']}" if "identical" in r else "- (no reference)",
                  fmt(r["needle"]["needle_accuracy"], ".2f"), *[fmt(r["needle"][d], ".2f") for d in depths],
                  json.dumps(r["blocks_held_after"])]
         lines.append("| " + " | ".join(cells) + " |")
@@ -161,7 +164,7 @@ def verdicts(args, rows: list[dict]) -> list[str]:
     by = {r["name"]: r for r in rows if "error" not in r}
     right, wrong = by.get(f"P/D PP{args.gpus}->TP{args.gpus} dspark"), by.get(
         f"P/D PP{args.gpus}->TP{args.gpus} dspark (page-ignorant draft cut)")
-    if not right or not wrong or right["acceptance"] is None or wrong["acceptance"] is None:
+    if not right or not wrong or right["acceptance"] is None or wrong["acceptance"] is None or "identical" not in wrong:
         return []
     caught = wrong["acceptance"] < right["acceptance"] - 0.02
     return ["", f"page-ignorant draft cut: acceptance {wrong['acceptance']:.3f} against {right['acceptance']:.3f} "
