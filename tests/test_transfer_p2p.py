@@ -17,6 +17,7 @@ from pdflow import Deployment, SamplingParams, compose
 from pdflow.graph import CONSUMER, PRODUCER, Code
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
+from pdflow.transfer.p2p_parts import pair_group
 from pdflow.transfer.packing import packed_nbytes
 from pdflow.worker.kv_link import KVLink
 
@@ -233,6 +234,13 @@ def test_a_failed_pair_is_a_named_refusal_and_the_producer_rank_lives_on(graph_o
     finally:
         for link in (producer, *consumers.values()):
             link.close()
+
+
+def test_a_pair_group_whose_peer_never_joins_is_a_transfer_error(tmp_path):
+    """Connecting a pair's group (and its probe) can only fail as a TransferError, which
+    pairing turns into a PAIRING_PEER_FAILED refusal; a raw store timeout ended the rank."""
+    with pytest.raises(TransferError, match="did not connect"):
+        pair_group("gloo", str(tmp_path / "store"), 1, 1.0, torch.zeros(64, dtype=torch.uint8))
 
 
 def test_pair_buffers_fit_the_longest_request_not_the_staging_size(graph_of):

@@ -20,6 +20,7 @@ import torch
 from pdflow.graph import CONSUMER, PRODUCER, CutPlan, RunGraph, parallel_of
 from pdflow.graph.transfer_buffers import pair_buffer_bytes
 from pdflow.spec.transfer import TransferSpec
+from pdflow.transfer.errors import TransferError
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
@@ -109,7 +110,7 @@ class _Session:
             print(f"p2p: consumer rank {self.listener.rank} failed while pairing:\n{traceback.format_exc()}",
                   file=sys.stderr, flush=True)
             self.conn.close()
-            if isinstance(err, OSError):  # ConnectionError and TimeoutError among them
+            if isinstance(err, OSError | TransferError):  # a lost producer, a pair that never connected
                 return
             raise
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):

@@ -173,22 +173,27 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: 
     same GPU, two ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs:
     each consumer rank pairs with three producer stages over NCCL; NVIDIA/nccl#195). At
     pairing no transfer waits on the pair being built. Gloo connects when it is made: a
-    few bytes check it."""
+    few bytes check it. A peer that never joins (or a failed probe) is a ``TransferError``,
+    which the producer answers as a refusal and the consumer as a closed pair."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.FileStore(store_path, 2)
-    store.set_timeout(timeout)
-    if mover == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = timeout
-        group = dist.ProcessGroupGloo(store, rank, 2, opts)
-        probe = probe[:8]
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, 2, opts)
-    (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
-    synchronize(probe.device)
+    try:
+        store = dist.FileStore(store_path, 2)
+        store.set_timeout(timeout)
+        if mover == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            opts._timeout = timeout
+            group = dist.ProcessGroupGloo(store, rank, 2, opts)
+            probe = probe[:8]
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
+        synchronize(probe.device)
+    except RuntimeError as err:  # torch.distributed's store, backend and timeout errors
+        raise TransferError(f"the pair's {mover} group did not connect within {timeout_s} s: "
+                            f"{type(err).__name__}: {err}") from err
     return group
 
 
