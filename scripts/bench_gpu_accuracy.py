@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -32,12 +31,20 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 
+def right_cut(n: int) -> str:
+    return f"P/D PP{n}->TP{n} dspark"
+
+
+def wrong_cut(n: int) -> str:
+    return f"{right_cut(n)} (page-ignorant draft cut)"
+
+
 def layouts(n: int) -> dict[str, list[str]]:
     pd = [f"prefill=pp{n}", f"decode=tp{n}", "drafter=dspark"]
     return {
         "one process": ["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=none"],
-        f"P/D PP{n}->TP{n} dspark": pd,
-        f"P/D PP{n}->TP{n} dspark (page-ignorant draft cut)": [*pd, "transfer.force_page_ignorant_cut=[draft]"],
+        right_cut(n): pd,
+        wrong_cut(n): [*pd, "transfer.force_page_ignorant_cut=[draft]"],
         f"P/D TP{n}->TP{n} dspark": [f"prefill=tp{n}", f"decode=tp{n}", "drafter=dspark"],
     }
 
@@ -162,8 +169,7 @@ def verdicts(args, rows: list[dict]) -> list[str]:
     """What the table says about the cut: the forced wrong draft cut must keep the target's
     tokens (its KV is exact) and lose acceptance against the right cut of the same layout."""
     by = {r["name"]: r for r in rows if "error" not in r}
-    right, wrong = by.get(f"P/D PP{args.gpus}->TP{args.gpus} dspark"), by.get(
-        f"P/D PP{args.gpus}->TP{args.gpus} dspark (page-ignorant draft cut)")
+    right, wrong = by.get(right_cut(args.gpus)), by.get(wrong_cut(args.gpus))
     if not right or not wrong or right["acceptance"] is None or wrong["acceptance"] is None or "identical" not in wrong:
         return []
     caught = wrong["acceptance"] < right["acceptance"] - 0.02
@@ -174,29 +180,17 @@ def verdicts(args, rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     from bench_engine import git_commit
-    from bench_gpu_pd import hardware
+    from bench_gpu_pd import command_line, hardware, publish
 
     args = parse_args(argv)
     rows = rows_of(args, ["model=tiny"])
-    command = "python " + shlex.join([f"scripts/{Path(sys.argv[0]).name}", *(argv or sys.argv[1:])])
+    command = command_line(argv)
     header = (f"bench_gpu_accuracy on {hardware(args.device)}, commit {git_commit()}, model tiny, "
               f"transfer={args.transfer}\ncommand: {command}")
     text = f"{header}\n\n{table(args, rows)}\n"
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "accuracy.md").write_text(text)
-        (folder / "accuracy.json").write_text(json.dumps(
-            dict(command=command, hardware=hardware(args.device), commit=git_commit(), args=vars(args), results=rows),
-            indent=2, default=str))
-    print("\n" + text, flush=True)
-    if args.mlflow:
-        from bench_mlflow import log_table
-
-        log_table(args.mlflow, experiment="pdflow-bench", table=f"accuracy PP{args.gpus}->TP{args.gpus}", text=text,
-                  rows=rows, tags={"pdflow.bench.command": command, "pdflow.bench.hardware": hardware(args.device)})
+    publish(args, name="accuracy", title=f"accuracy PP{args.gpus}->TP{args.gpus}", command=command, text=text,
+            results=rows, rows=rows)
     return 1 if any("error" in r for r in rows) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

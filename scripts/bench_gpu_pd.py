@@ -396,6 +396,33 @@ def hardware(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
+def command_line(argv) -> str:
+    """The command that reproduces this run, as the results say it."""
+    return "python " + shlex.join([f"scripts/{Path(sys.argv[0]).name}", *(argv or sys.argv[1:])])
+
+
+def publish(args, *, name: str, title: str, command: str, text: str, results, rows: list[dict],
+            name_of=None) -> None:
+    """A table out: printed, written to ``--out`` (``name``.md and the raw numbers as
+    ``name``.json) and logged to ``--mlflow`` (a parent run ``title``, a child per row)."""
+    from bench_engine import git_commit
+
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.md").write_text(text)
+        (folder / f"{name}.json").write_text(json.dumps(
+            dict(table=name, command=command, hardware=hardware(args.device), commit=git_commit(),
+                 args=vars(args), results=results), indent=2, default=str))
+    print("\n" + text, flush=True)
+    if args.mlflow:
+        from bench_mlflow import log_table
+
+        log_table(args.mlflow, experiment="pdflow-bench", table=title, text=text, rows=rows,
+                  tags={"pdflow.bench.command": command, "pdflow.bench.hardware": hardware(args.device)},
+                  **({"name_of": name_of} if name_of else {}))
+
+
 def main(argv=None) -> int:
     from bench_engine import git_commit  # scripts/ sits beside this file
 
@@ -410,25 +437,13 @@ def main(argv=None) -> int:
             table, raw = pd_table(args, model)
         else:
             table, raw = prefill_cost_table(args, model)
-    command = "python " + shlex.join([f"scripts/{Path(sys.argv[0]).name}", *(argv or sys.argv[1:])])
+    command = command_line(argv)
     header = (f"bench_gpu_pd --table {args.table} on {hardware(args.device)}, commit {git_commit()}, "
               f"model {args.model or args.shape}, transfer={args.transfer}\ncommand: {command}")
     text = f"{header}\n\n{table}\n"
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{args.table}.md").write_text(text)
-        (folder / f"{args.table}.json").write_text(json.dumps(
-            dict(table=args.table, command=command, hardware=hardware(args.device), commit=git_commit(),
-                 args={k: v for k, v in vars(args).items()}, results=raw), indent=2, default=str))
-    print("\n" + text, flush=True)
-    if args.mlflow:
-        from bench_mlflow import log_table
-
-        rows = [dict(r, name=n) for n, r in raw.items()] if isinstance(raw, dict) else raw
-        log_table(args.mlflow, experiment="pdflow-bench", table=f"{args.table} ({args.gpus} GPUs)", text=text,
-                  rows=rows, tags={"pdflow.bench.command": command, "pdflow.bench.hardware": hardware(args.device)},
-                  name_of=lambda r: r.get("name") or f"{r.get('layout')}:{r.get('drafter')}")
+    rows = [dict(r, name=n) for n, r in raw.items()] if isinstance(raw, dict) else raw
+    publish(args, name=args.table, title=f"{args.table} ({args.gpus} GPUs)", command=command, text=text,
+            results=raw, rows=rows, name_of=lambda r: r.get("name") or f"{r.get('layout')}:{r.get('drafter')}")
     failed = any("error" in r for r in (raw.values() if isinstance(raw, dict) else raw))
     return 1 if failed else 0
 
