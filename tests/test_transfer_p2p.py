@@ -153,6 +153,29 @@ def test_mooncake_staging_lands_every_head_in_chunks(graph_of, transports):
         pairs.close()
 
 
+@transfer_kit.needs_mooncake
+def test_a_request_the_consumer_fails_mid_stream_ends_there_and_the_pair_serves_on(graph_of, transports):
+    """Pairs that ack every chunk (Mooncake staging; CUDA IPC on one GPU): the consumer
+    fails a request of several chunks at its first (a block outside its pool). Both ends
+    end the request at that ack; before, the consumer waited for the next chunk, read the
+    next request in its place and closed the pair."""
+    graph = graph_of("transfer=mooncake_tcp", "transfer.timeout_s=5", "prefill.kv_page_tokens=16",
+                     "decode.kv_page_tokens=16", "prefill.block_size=32", "decode.block_size=32",
+                     "prefill=pp2", "decode=tp2", "drafter=dspark")
+    per_block = packed_nbytes(graph.cuts[0], 1)
+    assert len(chunks(graph.cuts[0], 3, per_block)) >= 3
+    pairs = Pairs(graph, buffer_bytes=per_block, make_transport=transports)
+    try:
+        peer = next(iter(pairs.peers.values()))
+        with pytest.raises(TransferError, match="outside the pool"):
+            peer.send([0, 1, 2], [0, 1, NUM_BLOCKS])
+        pairs.move()
+        assert not peer.broken
+        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+    finally:
+        pairs.close()
+
+
 def test_the_page_ignorant_cut_is_caught(pairs_of):
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.force_page_ignorant_cut=[mha]")
     pairs.move()

@@ -251,6 +251,8 @@ class _Session:
                 synchronize(self.listener.device)
                 if i + 1 < len(parts):
                     self.conn.send(P2PAck(index=i, error=error))
+                    if error:  # the producer stops at this ack: the request ends here, the pair serves on
+                        return
         else:  # two halves: receive chunk i+1 while chunk i is scattered
             half = buf.numel() // 2
             parts = self.chunks(len(blocks), half, self.listener.spec.chunk_ramp)
@@ -275,10 +277,10 @@ class _Session:
                 phases.mark("scatter")
             synchronize(self.listener.device)
             phases.mark("synced")
+        if not error:
+            self.listener.landed += 1  # counted before the ack: the producer may look once it returns
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
         phases.mark("acked")
         phases.report()
-        if not error:
-            self.listener.landed += 1
 
 
