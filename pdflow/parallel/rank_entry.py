@@ -10,6 +10,7 @@ its messages over a socket inherited from the owner.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import sys
@@ -42,6 +43,7 @@ def run(*, fd: int, parent: int, label: str) -> None:
     Both entries end here: this module's ``main`` (a fresh interpreter) and a fork of the
     rank zygote (``pdflow.parallel.zygote``)."""
     del label  # in argv for ps; errors name the rank by its context
+    faulthandler.enable()  # a rank killed by a signal (a crash inside CUDA or NCCL) prints every thread's stack
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     conn = Connection(fd)
     start: RankStart = conn.recv()

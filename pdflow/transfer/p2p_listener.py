@@ -129,7 +129,9 @@ class _Session:
         producer hears the reason instead of a closed socket."""
         lis = self.listener
         hello = self.conn.recv()
-        if not isinstance(hello, P2PHello):
+        if not isinstance(hello, P2PHello):  # said here: the other end only sees the connection close
+            print(f"p2p: consumer rank {lis.rank} closed a connection that opened with {type(hello).__name__}, "
+                  "not a pairing hello", file=sys.stderr, flush=True)
             return None
         try:
             ready, setup = self._set_up(hello)
