@@ -8,8 +8,7 @@ GPU; with ``cuda_ipc`` the producer's kernel writes them into the consumer's map
 (NVLink to GPU 1). Three processes, as in a deployment. For each transfer, page size and
 prompt length: GB/s of the p2p pair, one NCCL send of the same total bytes between the
 same GPUs in the same run (plus an 8-byte ack back, as the pair acks), the ratio, the
-same-GPU pair against a device copy of the same bytes, both ranks in turn and at once (the
-``Fanout`` a producer rank's export runs), and whether every consumer rank
+same-GPU pair against a device copy of the same bytes, and whether every consumer rank
 holds exactly its heads (the tests' tensor-indexing oracle, on the shortest prompt).
 
     python scripts/bench_gpu_transfer.py                       # 2 GPUs, Llama-3-8B heads
@@ -37,7 +36,6 @@ from pdflow import compose  # noqa: E402
 from pdflow.attention.kv_cache import TORCH_DTYPES  # noqa: E402
 from pdflow.graph import CONSUMER, PRODUCER, build_graph  # noqa: E402
 from pdflow.transfer.descriptors import Descriptors  # noqa: E402
-from pdflow.transfer.fanout import Fanout  # noqa: E402
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity  # noqa: E402
 from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 
@@ -139,7 +137,6 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 address=addresses[cut.consumer_rank][0], consumer_device=addresses[cut.consumer_rank][1], plan=plan,
                 caches=mine, dst_block_bytes={u.name: u.bytes_per_block for u in units}, producer_rank=0,
                 spec=graph.spec.transfer, transport=_transport(graph))
-        fan = Fanout(peers)  # what a producer rank's export runs: every pair at once
         for tokens in args.tokens:
             n = tokens // BLOCK
             src = list(range(n))
@@ -155,9 +152,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 bare = Descriptors(src=[peer.host_base], dst=[peer.remote[1]], length=[size])
                 row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.remote[0], bare),
                                                     args.reps, device) / 1e9
-            both = sum(v[1] for k, v in row.items() if k.startswith("r"))
-            row["both"] = both / _timed(lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
-            row["fanout"] = both / _timed(lambda: fan.send(src, dst), args.reps, device) / 1e9
+            row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
+                lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
             nbytes = row["r1"][1]
             queues[1].put(("baseline", nbytes, args.reps + 2))
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -179,7 +175,6 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 row["exact"] = "yes" if not bad else f"NO {bad[:4]}"
             rows.append(row)
             print(row, flush=True)
-        fan.close()
         for peer in peers.values():
             peer.close()
         for q in queues.values():
@@ -240,8 +235,6 @@ def table(rows, args) -> str:
                        f"{r.get('exact', '-')} |")
         out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | both ranks, in turn | - | - | "
                    f"{r['both']:.1f} | - | - | - |")
-        out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | both ranks, at once (Fanout) | - | - | "
-                   f"{r['fanout']:.1f} | {r['both']:.1f} (in turn) | {r['fanout'] / r['both']:.2f}x | - |")
     return "\n".join(out)
 
 

@@ -121,31 +121,15 @@ class P2PPeer:
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
-        # The pair's GPU work (rows, packs, its NCCL sends' ordering) runs on a stream of its
-        # own, so a rank's pairs to several consumer ranks overlap (``Fanout``).
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "", *,
-             after: torch.cuda.Event | None = None) -> None:
+    def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
-        in its caches (and nothing of this pair reads the source blocks any more). On a GPU
-        the reads start after ``after`` (an event recorded where the KV was written), or
-        after the calling thread's current stream. A failure leaves the pair broken (the
-        next send fails at once)."""
+        in its caches. A failure leaves the pair broken (the next send fails at once)."""
         with self._lock:
             if self.broken:
                 raise TransferError(f"the pair is broken: {self.broken}")
             try:
-                if self.stream is None:
-                    self._send(src_blocks, dst_blocks, request_id)
-                    return
-                with torch.cuda.device(self.device):
-                    if after is None:
-                        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                    else:
-                        self.stream.wait_event(after)
-                    with torch.cuda.stream(self.stream):
-                        self._send(src_blocks, dst_blocks, request_id)
+                self._send(src_blocks, dst_blocks, request_id)
             except TransferError:
                 raise
             except Exception as err:  # a dead peer, a timeout, a collective error

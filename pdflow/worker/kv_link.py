@@ -18,7 +18,6 @@ from pdflow.graph.regions import unit_mismatches
 from pdflow.parallel.messages import KVEndpoint, KVExport, UnitAddress
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
 from pdflow.transfer.errors import PairingRefused, TransferError
-from pdflow.transfer.fanout import Fanout
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity
 from pdflow.worker.faults import inject_fault
@@ -89,7 +88,6 @@ class KVLink:
         # Producer side, after pairing: consumer rank -> (session id, its unit regions).
         self.peers: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = {}
         self.p2p_peers: dict[int, P2PPeer] = {}
-        self.fanout = Fanout({})  # the p2p pairs, sent to together
 
     def endpoint(self) -> KVEndpoint:
         if self.p2p:
@@ -143,8 +141,7 @@ class KVLink:
             peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
         for old in self.p2p_peers.values():
             old.close()
-        self.fanout.close()
-        self.peers, self.p2p_peers, self.fanout = peers, p2p_peers, Fanout(p2p_peers)
+        self.peers, self.p2p_peers = peers, p2p_peers
 
     def export(self, exports: list[KVExport]) -> dict[str, str]:
         """Write every request's blocks to every paired consumer rank; returns the
@@ -156,13 +153,13 @@ class KVLink:
                 for session, regions, cut in self.peers.values():
                     desc = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
                     self.transport.write(session, desc)
-                self.fanout.send(job.src_blocks, job.dst_blocks, job.request_id)
+                for peer in self.p2p_peers.values():
+                    peer.send(job.src_blocks, job.dst_blocks, job.request_id)
             except Exception as err:  # a failed write fails the request, never the rank
                 failed[job.request_id] = f"{type(err).__name__}: {err}"
         return failed
 
     def close(self) -> None:
-        self.fanout.close()
         for peer in self.p2p_peers.values():
             peer.close()
         if self.listener is not None:
