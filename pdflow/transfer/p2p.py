@@ -44,6 +44,7 @@ from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-e
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
+    abort_group,
     bad_blocks,
     choose_mover,
     chunks,
@@ -134,6 +135,7 @@ class P2PPeer:
                 raise
             except Exception as err:  # a dead peer, a timeout, a collective error
                 self.broken = f"{type(err).__name__}: {err}"
+                abort_group(self.group)
                 raise TransferError(self.broken) from err
 
     def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:

@@ -25,6 +25,7 @@ from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
+    abort_group,
     bad_blocks,
     device_identity,
     host_buffer,
@@ -121,6 +122,8 @@ class _Session:
                 with side_stream(device):
                     while True:
                         self._serve_request(*setup)
+        if setup is not None:  # the producer left (or failed): nothing of the pair may wait on the GPU
+            abort_group(setup[2])
         self.conn.close()
 
     def _pair(self):

@@ -197,6 +197,17 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: 
     return group
 
 
+def abort_group(group: dist.ProcessGroup | None) -> None:
+    """Cancel what a broken pair's NCCL group still has in flight. A send whose receiver
+    died (or a receive whose sender did) waits on the GPU for good; left there, torch's
+    watchdog ends this whole process when it times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
+    default), taking every other pair and request of the rank with it. Gloo's waits end
+    with its own timeout: nothing to do."""
+    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        with contextlib.suppress(Exception):  # already aborted, or torch without abort()
+            group.abort()
+
+
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
     (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = storage._share_cuda_()
     return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,

@@ -1,0 +1,105 @@
+"""A consumer rank that dies under a ``transfer=nccl`` pair between two GPUs: the producer
+rank's send fails with ``TransferError`` and the producer lives on. Without the abort of
+the broken pair's NCCL group, the send left waiting for the dead receiver is found by
+torch's watchdog at the pair's timeout, which ends the producer's whole process (every
+other pair and request of the rank with it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+TIMEOUT_S = 5
+BLOCKS = 8
+OVERRIDES = ["model=tiny", "prefill=tp1", "decode=tp2", "drafter=none", "transfer=nccl",
+             f"transfer.timeout_s={TIMEOUT_S}", "prefill.device=cuda", "decode.device=cuda"]
+
+
+def _graph():
+    from pdflow import compose
+    from pdflow.graph import build_graph
+
+    return build_graph(compose(OVERRIDES))
+
+
+def _caches(units, device):
+    from pdflow.attention.kv_cache import TORCH_DTYPES
+
+    return {u.name: torch.zeros(u.cache_shape(BLOCKS), dtype=TORCH_DTYPES[u.dtype], device=device) for u in units}
+
+
+def _consumer(outbox) -> None:
+    """Decode rank 1 on GPU 1: listens, then waits to be killed."""
+    from pdflow.graph import CONSUMER
+    from pdflow.transfer.p2p import P2PListener, device_identity
+
+    device = torch.device("cuda", 1)
+    torch.cuda.set_device(device)
+    graph = _graph()
+    listener = P2PListener(graph=graph, rank=1, caches=_caches(graph.rank(CONSUMER, 1).units, device),
+                           spec=graph.spec.transfer)
+    outbox.put(("listening", listener.address, device_identity(device)))
+    time.sleep(600)
+
+
+def _producer(address: str, identity: str, inbox, outbox) -> None:
+    """Prefill rank 0 on GPU 0: pairs with decode rank 1 over NCCL, sends once told, then
+    outlives the pair's timeout twice over and proves its GPU still works."""
+    from pdflow.graph import CONSUMER, PRODUCER
+    from pdflow.transfer.errors import TransferError
+    from pdflow.transfer.p2p import P2PPeer
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    graph = _graph()
+    caches = _caches(graph.rank(PRODUCER, 0).units, device)
+    cut = next(c for c in graph.cuts if c.consumer_rank == 1)
+    peer = P2PPeer(address=address, consumer_device=identity, plan=cut.over(set(caches)), caches=caches,
+                   dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 1).units},
+                   producer_rank=0, spec=graph.spec.transfer)
+    outbox.put(("paired", peer.mover))
+    inbox.get()
+    try:
+        peer.send(list(range(BLOCKS)), list(range(BLOCKS)))
+        outbox.put(("sent", ""))
+    except TransferError as err:
+        outbox.put(("failed", str(err)))
+    time.sleep(2 * TIMEOUT_S + 3)
+    outbox.put(("alive", torch.ones(4, device=device).sum().item()))
+
+
+def test_a_dead_consumer_fails_the_send_and_the_producer_lives_on():
+    ctx = mp.get_context("spawn")
+    outbox, inbox = ctx.Queue(), ctx.Queue()
+    consumer = ctx.Process(target=_consumer, args=(outbox,), daemon=True)
+    consumer.start()
+    producer = None
+    try:
+        what, address, identity = outbox.get(timeout=120)
+        assert what == "listening"
+        producer = ctx.Process(target=_producer, args=(address, identity, inbox, outbox), daemon=True)
+        producer.start()
+        assert outbox.get(timeout=120) == ("paired", "nccl")
+        os.kill(consumer.pid, signal.SIGKILL)
+        consumer.join(30)
+        inbox.put("send")
+        what, why = outbox.get(timeout=4 * TIMEOUT_S + 30)
+        assert what == "failed", why
+        what, value = outbox.get(timeout=4 * TIMEOUT_S + 30)  # the watchdog would have acted by now
+        assert (what, value) == ("alive", 4.0)
+        assert producer.is_alive()
+    finally:
+        for p in (consumer, producer):
+            if p is not None and p.is_alive():
+                p.kill()
