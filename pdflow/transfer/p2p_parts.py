@@ -187,7 +187,10 @@ def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: 
             probe = probe[:8]
         else:
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            # Twice the transfer deadline: a stalled peer is found first by the host (the ack
+            # or a chunk that does not come in ``timeout_s``), which aborts the group
+            # (``abort_group``) before torch's watchdog would end the process.
+            opts._timeout = 2 * timeout
             group = dist.ProcessGroupNCCL(store, rank, 2, opts)
         (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
         synchronize(probe.device)
