@@ -22,9 +22,14 @@ pytestmark = [
 ]
 
 TIMEOUT_S = 5
-BLOCKS = 8
-OVERRIDES = ["model=tiny", "prefill=tp1", "decode=tp2", "drafter=none", "transfer=nccl",
-             f"transfer.timeout_s={TIMEOUT_S}", "prefill.device=cuda", "decode.device=cuda"]
+# A request far larger than NCCL's own buffers (Llama-3-8B heads, 4,096 tokens: 256 MiB per
+# consumer rank): a small send completes into them with nobody receiving.
+BLOCKS = 32
+BUFFER_BYTES = 64 << 20
+OVERRIDES = ["model=llama3-8b", "prefill=tp1", "decode=tp2", "drafter=none", "transfer=nccl",
+             f"transfer.timeout_s={TIMEOUT_S}", "prefill.device=cuda", "decode.device=cuda",
+             "prefill.block_size=128", "decode.block_size=128", "prefill.kv_page_tokens=128",
+             "decode.kv_page_tokens=128"]
 
 
 def _graph():
@@ -49,7 +54,7 @@ def _consumer(outbox) -> None:
     torch.cuda.set_device(device)
     graph = _graph()
     listener = P2PListener(graph=graph, rank=1, caches=_caches(graph.rank(CONSUMER, 1).units, device),
-                           spec=graph.spec.transfer)
+                           spec=graph.spec.transfer, buffer_bytes=BUFFER_BYTES)
     outbox.put(("listening", listener.address, device_identity(device)))
     time.sleep(600)
 
