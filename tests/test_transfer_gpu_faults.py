@@ -1,9 +1,10 @@
-"""A consumer rank that stalls (stopped, its connection open) under a ``transfer=nccl`` pair
-between two GPUs: the producer rank's send fails with ``TransferError`` at the transfer
-deadline and the producer lives on. Without the abort of the broken pair's NCCL group, the
-sends left waiting for the stalled receiver are found by torch's watchdog at the group's
-timeout, which ends the producer's whole process (every other pair and request of the
-rank with it)."""
+"""A peer that stalls under a ``transfer=nccl`` pair between two GPUs. A consumer rank stopped
+with its connection open: the producer rank's send fails with ``TransferError`` at the
+transfer deadline and the producer lives on. A producer that announces a request and sends
+none of it: the consumer rank gives the request up at the deadline and lives on, and
+serves the next pair. Without the abort of the broken pair's NCCL group, the operations
+left waiting on the GPU are found by torch's watchdog at the group's timeout, which ends
+that whole process (every other pair and request of the rank with it)."""
 
 from __future__ import annotations
 
@@ -59,21 +60,28 @@ def _consumer(outbox) -> None:
     time.sleep(600)
 
 
-def _producer(address: str, identity: str, inbox, outbox) -> None:
-    """Prefill rank 0 on GPU 0: pairs with decode rank 1 over NCCL, sends once told, then
-    outlives the pair group's NCCL timeout (twice the deadline) and proves its GPU works."""
+def _pair(address: str, identity: str, caches=None):
+    """Prefill rank 0 on GPU 0, paired with decode rank 1 (over NCCL)."""
     from pdflow.graph import CONSUMER, PRODUCER
-    from pdflow.transfer.errors import TransferError
     from pdflow.transfer.p2p import P2PPeer
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     graph = _graph()
-    caches = _caches(graph.rank(PRODUCER, 0).units, device)
+    caches = caches or _caches(graph.rank(PRODUCER, 0).units, device)
     cut = next(c for c in graph.cuts if c.consumer_rank == 1)
-    peer = P2PPeer(address=address, consumer_device=identity, plan=cut.over(set(caches)), caches=caches,
+    return P2PPeer(address=address, consumer_device=identity, plan=cut.over(set(caches)), caches=caches,
                    dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 1).units},
                    producer_rank=0, spec=graph.spec.transfer)
+
+
+def _producer(address: str, identity: str, inbox, outbox) -> None:
+    """Pairs, sends once told, then outlives the pair group's NCCL timeout (twice the
+    deadline) and proves its GPU works."""
+    from pdflow.transfer.errors import TransferError
+
+    device = torch.device("cuda", 0)
+    peer = _pair(address, identity)
     outbox.put(("paired", peer.mover))
     inbox.get()
     try:
@@ -105,6 +113,43 @@ def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
         what, value = outbox.get(timeout=4 * TIMEOUT_S + 30)  # the watchdog would have acted by now
         assert (what, value) == ("alive", 4.0)
         assert producer.is_alive()
+    finally:
+        for p in (consumer, producer):
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(30)
+
+
+def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:
+    """Pairs, announces a request and sends none of its chunks (a producer that hangs or
+    dies mid-request); told to, pairs again and sends a whole request."""
+    from pdflow.transfer.p2p_messages import P2PRequest
+
+    peer = _pair(address, identity)
+    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=list(range(BLOCKS))))
+    outbox.put(("announced", peer.mover))
+    inbox.get()
+    fresh = _pair(address, identity, peer.caches)
+    fresh.send(list(range(BLOCKS)), list(range(BLOCKS)))
+    outbox.put(("sent", fresh.mover))
+    time.sleep(600)
+
+
+def test_a_producer_that_stalls_mid_request_fails_it_and_the_consumer_lives_on():
+    ctx = mp.get_context("spawn")
+    outbox, inbox = ctx.Queue(), ctx.Queue()
+    consumer = ctx.Process(target=_consumer, args=(outbox,), daemon=True)
+    consumer.start()
+    producer = None
+    try:
+        what, address, identity = outbox.get(timeout=120)
+        producer = ctx.Process(target=_stalling_producer, args=(address, identity, inbox, outbox), daemon=True)
+        producer.start()
+        assert outbox.get(timeout=120) == ("announced", "nccl")
+        time.sleep(3 * TIMEOUT_S)  # the consumer's receives wait; the group's NCCL timeout is 2x the deadline
+        assert consumer.is_alive(), f"the consumer rank's process ended (exit code {consumer.exitcode})"
+        inbox.put("again")
+        assert outbox.get(timeout=4 * TIMEOUT_S + 60) == ("sent", "nccl")  # it serves the next pair
     finally:
         for p in (consumer, producer):
             if p is not None and p.is_alive():

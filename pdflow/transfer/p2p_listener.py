@@ -4,7 +4,6 @@ per-request receive and scatter of each mover."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -22,9 +21,18 @@ from pdflow.graph.transfer_buffers import pair_buffer_bytes
 from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.mooncake_engine import MooncakeTransport
-from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
+from pdflow.transfer.p2p_messages import (
+    FramedSocket,
+    P2PAck,
+    P2PChunk,
+    P2PHello,
+    P2PReady,
+    P2PRequest,
+    PeerClosed,
+)
 from pdflow.transfer.p2p_parts import (
     Phases,
+    abort_after,
     abort_group,
     bad_blocks,
     device_identity,
@@ -114,7 +122,7 @@ class _Session:
             if isinstance(err, OSError | TransferError):  # a lost producer, a pair that never connected
                 return
             raise
-        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+        try:
             if setup is not None:
                 device = self.listener.device
                 if device.type == "cuda":
@@ -122,9 +130,17 @@ class _Session:
                 with side_stream(device):
                     while True:
                         self._serve_request(*setup)
-        if setup is not None:  # the producer left (or failed): nothing of the pair may wait on the GPU
-            abort_group(setup[2])
-        self.conn.close()
+        except (ConnectionError, OSError, TimeoutError) as err:  # the producer left, or a deadline passed
+            if not isinstance(err, PeerClosed | ConnectionResetError):
+                print(f"p2p: consumer rank {self.listener.rank} closes a pair: {type(err).__name__}: {err}",
+                      file=sys.stderr, flush=True)
+        except RuntimeError:  # torch.distributed: a receive's error or timeout
+            print(f"p2p: consumer rank {self.listener.rank} closes a pair:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+        finally:
+            if setup is not None:  # nothing of the pair may still wait on the GPU
+                abort_group(setup[2])
+            self.conn.close()
 
     def _pair(self):
         """Answer a producer's hello: refused (and why), or ready with the way in. What can
@@ -271,16 +287,21 @@ class _Session:
             for i in range(min(2, len(parts))):  # both halves are free: the last request synchronized
                 post(i)
             phases.mark("posted")
-            rows = build_rows()  # while the first chunks arrive
-            phases.mark("rows")
-            for i, chunk in enumerate(parts):
-                if 2 <= i + 1 < len(parts):
-                    post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
-                pending.pop(i).wait()
-                phases.mark("recv")
-                error = scatter(chunk, slots[i % 2])
-                phases.mark("scatter")
-            synchronize(self.listener.device)
+            timeout_s = self.listener.spec.timeout_s
+            with abort_after(group, timeout_s) as aborted:  # a producer that dies mid-request
+                rows = build_rows()  # while the first chunks arrive
+                phases.mark("rows")
+                for i, chunk in enumerate(parts):
+                    if 2 <= i + 1 < len(parts):
+                        post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
+                    pending.pop(i).wait()
+                    phases.mark("recv")
+                    error = scatter(chunk, slots[i % 2])
+                    phases.mark("scatter")
+                synchronize(self.listener.device)
+            if aborted():
+                raise ConnectionError(f"request {request.request_id!r}: the producer's chunks did not all come "
+                                      f"within {timeout_s} s; the pair's group was aborted")
             phases.mark("synced")
         if not error:
             self.listener.landed += 1  # counted before the ack: the producer may look once it returns

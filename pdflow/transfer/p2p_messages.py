@@ -97,6 +97,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(P2PMessage)
 
 
+class PeerClosed(ConnectionError):
+    """The other end closed the connection: how a pair ends when its producer closes it."""
+
+
 class FramedSocket:
     """Length-prefixed typed messages (and raw byte payloads) over one stream socket."""
 
@@ -127,7 +131,7 @@ class FramedSocket:
         while got < n:
             k = self.sock.recv_into(view[got:], n - got)
             if not k:
-                raise ConnectionError("peer closed the connection")
+                raise PeerClosed("peer closed the connection")
             got += k
         return bytes(buf)
 

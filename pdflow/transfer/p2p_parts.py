@@ -8,6 +8,7 @@ import datetime
 import functools
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -209,6 +210,30 @@ def abort_group(group: dist.ProcessGroup | None) -> None:
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
         with contextlib.suppress(Exception):  # already aborted, or torch without abort()
             group.abort()
+
+
+@contextlib.contextmanager
+def abort_after(group: dist.ProcessGroup | None, seconds: float):
+    """Abort ``group`` (NCCL) if the block is still running after ``seconds``; yields a
+    callable saying whether it did. A device synchronize waiting on a receive whose sender
+    died or stalled then returns (the aborted kernels end) instead of waiting until torch's
+    watchdog ends the whole process."""
+    if not isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        yield lambda: False
+        return
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        abort_group(group)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired.is_set
+    finally:
+        timer.cancel()
 
 
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
