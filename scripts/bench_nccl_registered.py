@@ -19,31 +19,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_nccl_chunks import _timed  # scripts/ sits beside this file
 
 MiB = 1 << 20
 SLOT = 128 * MiB
 RUN = 32 * 1024
-
-
-def _timed(fn, reps=7):
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _rank(rank, path, result):

@@ -8,6 +8,7 @@ that whole process (every other pair and request of the rank with it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -93,17 +94,29 @@ def _producer(address: str, identity: str, inbox, outbox) -> None:
     outbox.put(("alive", torch.ones(4, device=device).sum().item()))
 
 
-def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
+@contextlib.contextmanager
+def _ranks(producer_target):
+    """Decode rank 1 (``_consumer``) and prefill rank 0 (``producer_target``) as processes;
+    yields (consumer, producer, the producer's inbox, the shared outbox); kills both after."""
     ctx = mp.get_context("spawn")
     outbox, inbox = ctx.Queue(), ctx.Queue()
-    consumer = ctx.Process(target=_consumer, args=(outbox,), daemon=True)
-    consumer.start()
-    producer = None
+    procs = [ctx.Process(target=_consumer, args=(outbox,), daemon=True)]
+    procs[0].start()
     try:
         what, address, identity = outbox.get(timeout=120)
         assert what == "listening"
-        producer = ctx.Process(target=_producer, args=(address, identity, inbox, outbox), daemon=True)
-        producer.start()
+        procs.append(ctx.Process(target=producer_target, args=(address, identity, inbox, outbox), daemon=True))
+        procs[1].start()
+        yield procs[0], procs[1], inbox, outbox
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(30)
+
+
+def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
+    with _ranks(_producer) as (consumer, producer, inbox, outbox):
         assert outbox.get(timeout=120) == ("paired", "nccl")
         os.kill(consumer.pid, signal.SIGSTOP)  # alive to TCP, gone to NCCL: the sends are issued and wait
         inbox.put("send")
@@ -113,11 +126,6 @@ def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
         what, value = outbox.get(timeout=4 * TIMEOUT_S + 30)  # the watchdog would have acted by now
         assert (what, value) == ("alive", 4.0)
         assert producer.is_alive()
-    finally:
-        for p in (consumer, producer):
-            if p is not None and p.is_alive():
-                p.kill()
-                p.join(30)
 
 
 def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:
@@ -136,22 +144,9 @@ def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:
 
 
 def test_a_producer_that_stalls_mid_request_fails_it_and_the_consumer_lives_on():
-    ctx = mp.get_context("spawn")
-    outbox, inbox = ctx.Queue(), ctx.Queue()
-    consumer = ctx.Process(target=_consumer, args=(outbox,), daemon=True)
-    consumer.start()
-    producer = None
-    try:
-        what, address, identity = outbox.get(timeout=120)
-        producer = ctx.Process(target=_stalling_producer, args=(address, identity, inbox, outbox), daemon=True)
-        producer.start()
+    with _ranks(_stalling_producer) as (consumer, _, inbox, outbox):
         assert outbox.get(timeout=120) == ("announced", "nccl")
         time.sleep(3 * TIMEOUT_S)  # the consumer's receives wait; the group's NCCL timeout is 2x the deadline
         assert consumer.is_alive(), f"the consumer rank's process ended (exit code {consumer.exitcode})"
         inbox.put("again")
         assert outbox.get(timeout=4 * TIMEOUT_S + 60) == ("sent", "nccl")  # it serves the next pair
-    finally:
-        for p in (consumer, producer):
-            if p is not None and p.is_alive():
-                p.kill()
-                p.join(30)

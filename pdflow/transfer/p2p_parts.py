@@ -207,9 +207,13 @@ def abort_group(group: dist.ProcessGroup | None) -> None:
     watchdog ends this whole process when it times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
     default), taking every other pair and request of the rank with it. Gloo's waits end
     with its own timeout: nothing to do."""
-    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+    if _is_nccl(group):
         with contextlib.suppress(Exception):  # already aborted, or torch without abort()
             group.abort()
+
+
+def _is_nccl(group: dist.ProcessGroup | None) -> bool:
+    return isinstance(group, getattr(dist, "ProcessGroupNCCL", ()))  # CPU builds of torch have no NCCL
 
 
 @contextlib.contextmanager
@@ -218,7 +222,7 @@ def abort_after(group: dist.ProcessGroup | None, seconds: float):
     callable saying whether it did. A device synchronize waiting on a receive whose sender
     died or stalled then returns (the aborted kernels end) instead of waiting until torch's
     watchdog ends the whole process."""
-    if not isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+    if not _is_nccl(group):
         yield lambda: False
         return
     fired = threading.Event()
