@@ -17,6 +17,7 @@ from pdflow import Deployment, SamplingParams, compose
 from pdflow.graph import CONSUMER, PRODUCER, Code
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
+from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
 from pdflow.transfer.p2p_parts import pair_group
 from pdflow.transfer.packing import packed_nbytes
 from pdflow.worker.kv_link import KVLink
@@ -201,6 +202,28 @@ def test_a_lost_consumer_fails_the_send_instead_of_hanging(pairs_of):
         peer.send([0], [1])
     with pytest.raises(TransferError, match="broken"):
         peer.send([0], [1])
+
+
+def test_a_producer_that_stalls_mid_request_is_dropped_and_the_consumer_serves_on(pairs_of):
+    """A producer announces a request and sends none of it: the consumer's receive times out
+    (Gloo here; on GPUs its NCCL group is aborted at the deadline), it closes that pair, and
+    a new pair from the same producer rank lands. Before, the receive's error ended the
+    session's thread and left the connection open: the producer saw nothing until its own
+    socket timed out."""
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.timeout_s=2")
+    (p, c), peer = next(iter(pairs.peers.items()))
+    peer.conn.sock.settimeout(20)  # longer than the consumer's deadline: who closes first shows
+    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=[1]))
+    with pytest.raises(PeerClosed):
+        peer.conn.recv()
+    fresh = P2PPeer(address=pairs.listeners[c].address, consumer_device="cpu", plan=peer.plan, caches=peer.caches,
+                    dst_block_bytes=peer.dst_block_bytes, producer_rank=p, spec=pairs.graph.spec.transfer)
+    try:
+        landed = pairs.listeners[c].landed
+        fresh.send([0], [1])
+        assert pairs.listeners[c].landed == landed + 1
+    finally:
+        fresh.close()
 
 
 def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
