@@ -43,6 +43,55 @@ def _timed(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def out_of_order_runs(base: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(address in ``base``, offset in the chunk, words) of a chunk's ``RUN``-byte runs,
+    taken out of order as a head cut's are: a ``copy_runs`` table on ``base``'s device."""
+    n = chunk // RUN
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    return torch.stack([base.data_ptr() + order * RUN, torch.arange(n) * RUN,
+                        torch.full((n,), RUN // 8)], dim=1).contiguous().to(base.device)
+
+
+def ack(group, rank: int, flag: torch.Tensor) -> None:
+    """Rank 1 tells rank 0 it is done (8 bytes), as a pair acks a request."""
+    (group.recv([flag], 1, 0) if rank == 0 else group.send([flag], 0, 0)).wait()
+
+
+def pipeline(group, rank: int, halves: list[torch.Tensor], n: int, pack, scatter, flag: torch.Tensor) -> None:
+    """The pairs' two-slot pipeline for ``n`` chunks, rank 0 to rank 1: rank 0 packs chunk
+    i+1 (``pack(i, half)``) while chunk i is on the wire; rank 1 receives chunk i+1 while
+    chunk i is scattered (``scatter(i, half)``)."""
+    if rank == 0:
+        works = [None, None]
+        for i in range(n):
+            if works[i % 2] is not None:
+                works[i % 2].wait()
+            pack(i, halves[i % 2])
+            works[i % 2] = group.send([halves[i % 2]], 1, 0)
+    else:
+        pending = {0: group.recv([halves[0]], 0, 0)}
+        for i in range(n):
+            if i + 1 < n:
+                pending[i + 1] = group.recv([halves[(i + 1) % 2]], 0, 0)
+            pending.pop(i).wait()
+            scatter(i, halves[i % 2])
+    ack(group, rank, flag)
+
+
+def two_ranks(target, timeout_s: float):
+    """Run ``target(rank, store_path, result)`` on GPUs 0 and 1; returns what rank 0 put."""
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, os.path.join(tmp, "store"), result)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        out = result.get(timeout=timeout_s)
+        for p in procs:
+            p.join(30)
+    return out
+
+
 def _rank(rank: int, path: str, result) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -50,63 +99,31 @@ def _rank(rank: int, path: str, result) -> None:
     wire = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     caches = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # what the pack reads, the scatter writes
     slots = torch.empty(2 * SLOT, dtype=torch.uint8, device=dev)
-    ack = torch.zeros(1, dtype=torch.int64, device=dev)
-
-    def acked() -> None:
-        if rank == 0:
-            group.recv([ack], 1, 0).wait()
-        else:
-            group.send([ack], 0, 0).wait()
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def plain(total: int, chunk: int) -> None:
         for i in range(total // chunk):
             part = wire[i * chunk:(i + 1) * chunk]
             group.send([part], 1, 0) if rank == 0 else group.recv([part], 0, 0)
-        acked()
+        ack(group, rank, flag)
 
     tables: dict[int, torch.Tensor] = {}
 
-    def runs_of(chunk: int) -> torch.Tensor:
-        """(cache address, offset in the chunk, words) of a chunk's runs, taken out of order."""
-        n = chunk // RUN
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-        return torch.stack([caches.data_ptr() + order * RUN, torch.arange(n) * RUN,
-                            torch.full((n,), RUN // 8)], dim=1).contiguous().to(dev)
-
-    def copier(programs):
+    def copier(programs, chunk: int):
         """(pack, scatter) of chunk i: contiguous copies (None) or copy_runs over its runs."""
         if programs is None:
-            return (lambda i, c, h: h.copy_(caches[i * c:(i + 1) * c]),
-                    lambda i, c, h: caches[i * c:(i + 1) * c].copy_(h))
+            return (lambda i, h: h.copy_(caches[i * chunk:(i + 1) * chunk]),
+                    lambda i, h: caches[i * chunk:(i + 1) * chunk].copy_(h))
         from pdflow.kernels.copy_runs import copy_runs
 
-        def table(c):  # built once per chunk size (in the warm-up), not per timed call
-            if c not in tables:
-                tables[c] = runs_of(c)
-            return tables[c]
-
-        return (lambda i, c, h: copy_runs(table(c), RUN // 8, shift=h.data_ptr(), programs=programs),
-                lambda i, c, h: copy_runs(table(c), RUN // 8, shift=h.data_ptr(), reverse=True, programs=programs))
+        if chunk not in tables:  # built once per chunk size (in the warm-up), not per timed call
+            tables[chunk] = out_of_order_runs(caches, chunk)
+        table = tables[chunk]
+        return (lambda i, h: copy_runs(table, RUN // 8, shift=h.data_ptr(), programs=programs),
+                lambda i, h: copy_runs(table, RUN // 8, shift=h.data_ptr(), reverse=True, programs=programs))
 
     def piped(total: int, chunk: int, programs=None) -> None:
-        pack, scatter = copier(programs)
-        halves = [slots[:chunk], slots[SLOT:SLOT + chunk]]
-        n = total // chunk
-        if rank == 0:  # pack chunk i+1 while chunk i is on the wire
-            works = [None, None]
-            for i in range(n):
-                if works[i % 2] is not None:
-                    works[i % 2].wait()
-                pack(i, chunk, halves[i % 2])
-                works[i % 2] = group.send([halves[i % 2]], 1, 0)
-        else:  # receive chunk i+1 while chunk i is scattered
-            pending = {0: group.recv([halves[0]], 0, 0)}
-            for i in range(n):
-                if i + 1 < n:
-                    pending[i + 1] = group.recv([halves[(i + 1) % 2]], 0, 0)
-                pending.pop(i).wait()
-                scatter(i, chunk, halves[i % 2])
-        acked()
+        pipeline(group, rank, [slots[:chunk], slots[SLOT:SLOT + chunk]], total // chunk, *copier(programs, chunk), flag)
 
     rows = []
     for total in TOTALS:
@@ -120,15 +137,7 @@ def _rank(rank: int, path: str, result) -> None:
 
 
 def main() -> None:
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, os.path.join(tmp, "store"), result)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        rows, kernel_rows = result.get(timeout=300)
-        for p in procs:
-            p.join(30)
+    rows, kernel_rows = two_ranks(_rank, 300)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}: GPU 0 -> GPU 1")
     print("| request MiB | chunk MiB | sends | back to back GB/s | x one send | two-slot pipeline with copies GB/s "
           "| x one send |")

@@ -20,16 +20,20 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_nccl_chunks import _timed  # scripts/ sits beside this file
+from bench_nccl_chunks import (  # scripts/ sits beside this file
+    RUN,
+    SLOT,
+    _timed,
+    ack,
+    out_of_order_runs,
+    pipeline,
+    two_ranks,
+)
 
 MiB = 1 << 20
-SLOT = 128 * MiB
-RUN = 32 * 1024
 
 
 def _rank(rank, path, result):
@@ -55,43 +59,21 @@ def _rank(rank, path, result):
         print(f"rank {rank}: registration failed: {type(err).__name__}: {err}", flush=True)
     from pdflow.kernels.copy_runs import copy_runs
 
-    n = SLOT // RUN
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-    table = torch.stack([caches.data_ptr() + order * RUN, torch.arange(n) * RUN,
-                         torch.full((n,), RUN // 8)], dim=1).contiguous().to(dev)
+    table = out_of_order_runs(caches, SLOT)
 
-    def acked(b):
-        if rank == 0:
-            dist.recv(b["ack"], 1)
-        else:
-            dist.send(b["ack"], 0)
+    def pack(i, half):
+        copy_runs(table[: half.numel() // RUN], RUN // 8, shift=half.data_ptr())
+
+    def scatter(i, half):
+        copy_runs(table[: half.numel() // RUN], RUN // 8, shift=half.data_ptr(), reverse=True)
 
     def one(b, total):
-        if rank == 0:
-            dist.send(b["wire"][:total], 1)
-        else:
-            dist.recv(b["wire"][:total], 0)
-        acked(b)
+        (pg.send if rank == 0 else pg.recv)([b["wire"][:total]], 1 - rank, 0).wait()
+        ack(pg, rank, b["ack"])
 
     def piped(b, total, chunk=SLOT):
-        slots = b["slots"]
-        halves = [slots[:chunk], slots[SLOT:SLOT + chunk]]
-        k = total // chunk
-        if rank == 0:
-            works = [None, None]
-            for i in range(k):
-                if works[i % 2] is not None:
-                    works[i % 2].wait()
-                copy_runs(table[: chunk // RUN], RUN // 8, shift=halves[i % 2].data_ptr())
-                works[i % 2] = dist.isend(halves[i % 2], 1)
-        else:
-            pending = {0: dist.irecv(halves[0], 0)}
-            for i in range(k):
-                if i + 1 < k:
-                    pending[i + 1] = dist.irecv(halves[(i + 1) % 2], 0)
-                pending.pop(i).wait()
-                copy_runs(table[: chunk // RUN], RUN // 8, shift=halves[i % 2].data_ptr(), reverse=True)
-        acked(b)
+        halves = [b["slots"][:chunk], b["slots"][SLOT:SLOT + chunk]]
+        pipeline(pg, rank, halves, total // chunk, pack, scatter, b["ack"])
 
     rows = []
     for name, b in sets.items():
@@ -106,15 +88,7 @@ def _rank(rank, path, result):
 
 
 def main():
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, os.path.join(tmp, "s"), result)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        rows = result.get(timeout=240)
-        for p in procs:
-            p.join(30)
+    rows = two_ranks(_rank, 240)
     print(f"# {torch.cuda.get_device_name(0)} torch {torch.__version__} nccl {torch.cuda.nccl.version()} "
           f"env hook={os.environ.get('TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK', '0')} {' '.join(sys.argv[1:])}")
     print("| buffers | MiB | one send GB/s | two-slot pipeline + copy_runs GB/s | pipeline / plain one send |")
