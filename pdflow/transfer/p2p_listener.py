@@ -111,6 +111,7 @@ class _Session:
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
+        self.slots: list[torch.Tensor] | None = None  # the two halves of a pipelined pair's buffer
 
     def serve(self) -> None:
         try:
@@ -218,14 +219,31 @@ class _Session:
         self.pool = pool_blocks(plan, lis.caches)
         return ready, (plan, buf, group, sources)
 
+    def _parts(self, num_blocks: int, buf: torch.Tensor) -> tuple[list[list[Piece]], list[torch.Tensor]]:
+        """A pipelined request's chunks and the two halves of ``buf`` they alternate in."""
+        half = buf.numel() // 2
+        if self.slots is None:
+            self.slots = [buf[:half], buf[half:2 * half]]
+        return self.chunks(num_blocks, half, self.listener.spec.chunk_ramp), self.slots
+
+    def _post_first(self, blocks: list[int], buf: torch.Tensor | None, group) -> dict:
+        """The receives of a pipelined request's first two chunks (both halves are free: the
+        last request synchronized), posted before anything else on the request's path: the
+        producer's first chunk cannot leave before its receive is posted."""
+        if group is None or buf is None:
+            return {}
+        parts, slots = self._parts(len(blocks), buf)
+        return {i: group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0) for i in range(min(2, len(parts)))}
+
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
         self.conn.sock.settimeout(None)  # idle between requests
         request = self.conn.recv()
         if not isinstance(request, P2PRequest):
             raise ConnectionError(f"expected a request, got {type(request).__name__}")
-        self.conn.sock.settimeout(self.listener.spec.timeout_s)
         phases = Phases("recv", self.listener.device)  # from the request's arrival
         blocks = request.dst_blocks
+        pending = self._post_first(blocks, buf, group)  # first: the producer's first chunk waits on it
+        self.conn.sock.settimeout(self.listener.spec.timeout_s)
         error = bad_blocks(blocks, self.pool)
         if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
             note = self.conn.recv()
@@ -275,17 +293,11 @@ class _Session:
                     if error:  # the producer stops at this ack: the request ends here, the pair serves on
                         return
         else:  # two halves: receive chunk i+1 while chunk i is scattered
-            half = buf.numel() // 2
-            parts = self.chunks(len(blocks), half, self.listener.spec.chunk_ramp)
-            slots = [buf[:half], buf[half:2 * half]]
-            pending = {}
+            parts, slots = self._parts(len(blocks), buf)
 
             def post(i: int) -> None:
                 pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
 
-            phases.mark("planned")
-            for i in range(min(2, len(parts))):  # both halves are free: the last request synchronized
-                post(i)
             phases.mark("posted")
             timeout_s = self.listener.spec.timeout_s
             with abort_after(group, timeout_s) as aborted:  # a producer that dies mid-request
