@@ -115,10 +115,10 @@ def _rank(rank: int, path: str, result, reps: int = 50) -> None:
         rows.update(eval(store.get("calls")))  # noqa: S307 (a dict of floats this script wrote)
         from pdflow.kernels.copy_runs import copy_runs
 
-        table = out_of_order_runs(slots, 4096 * 32 * 1024)
+        table = out_of_order_runs(halves[0], 4096 * 32 * 1024)  # into the second half
         a, b, out = (torch.ones(64, 128, 8, dtype=torch.int64, device=dev), torch.ones(1, 128, 1, dtype=torch.int64,
                      device=dev), torch.empty(64, 128, 8, dtype=torch.int64, device=dev))
-        for name, fn in (("copy_runs launch, 4096 runs", lambda: copy_runs(table, 32 * 1024 // 8, shift=0)),
+        for name, fn in (("copy_runs launch, 4096 runs", lambda: copy_runs(table, 32 * 1024 // 8, shift=halves[1].data_ptr())),
                          ("eager addcmul", lambda: torch.addcmul(a, b, a, out=out))):
             times = []
             for _ in range(reps):
