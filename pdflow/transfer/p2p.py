@@ -21,13 +21,16 @@ will move (``p2p_parts.choose_mover``):
 Per request the producer packs the runs its cut plan names for that consumer rank
 (``packing``'s order, so every path leaves identical caches; on a GPU one ``copy_runs``
 launch per chunk, over rows built once per request on the device), moves them in chunks of
-the consumer's receive buffer, and waits for the consumer's ack after it scattered the
+the consumer's receive buffer, and waits for the consumer's word that it scattered the
 bytes into its caches: when ``send`` returns the KV is in place, as after a one-sided
-write, and the engine's path does not change.
+write, and the engine's path does not change. Over a process group (``nccl``, ``gloo``)
+that word is an 8-byte verdict on the group itself, in stream order after the last
+scatter (an error's text follows on the socket); the other movers ack on the socket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -44,6 +47,7 @@ from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-e
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
     Phases,
+    abort_after,
     abort_group,
     bad_blocks,
     choose_mover,
@@ -119,6 +123,12 @@ class P2PPeer:
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s, self.buf[:self.buffer_bytes // 2])
+            # The consumer's verdict on each request (``_verdict``), and its host copy.
+            self.verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.verdict_host = self.verdict if self.device.type != "cuda" else torch.zeros(
+                1, dtype=torch.int64, pin_memory=True)
+            self.verdict_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.timeout_s = spec.timeout_s
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
@@ -177,9 +187,35 @@ class P2PPeer:
                 phases.mark("pack")
                 self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
                 phases.mark("send")
+            self._verdict(max(len(parts) - 1, 0), request_id)
+            phases.mark("verdict")
+            phases.report()
+            return
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
         phases.report()
+
+    def _verdict(self, last: int, request_id: str) -> None:
+        """Wait for the consumer's 8-byte verdict on the pair's group: 0 when the request is
+        scattered into its caches (sent in stream order after its last scatter, so no host
+        step on its side and no socket on the path), else its error follows on the control
+        socket. Waited for on a stream of its own: this rank's stream may already hold its
+        next step's work. A consumer that stalls or dies leaves the receive waiting on the
+        GPU: the group is aborted at the deadline."""
+        with torch.cuda.stream(self.verdict_stream) if self.verdict_stream is not None else contextlib.nullcontext():
+            done = self.group.recv([self.verdict], 0, 0)
+            with abort_after(self.group, self.timeout_s) as aborted:
+                done.wait()
+                if self.verdict_stream is not None:
+                    self.verdict_host.copy_(self.verdict, non_blocking=True)
+                    self.verdict_stream.synchronize()
+        if aborted():
+            raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
+                                  f"{self.timeout_s} s; the pair's group was aborted")
+        if int(self.verdict_host[0]):
+            self._ack(last)  # its error, on the control socket
+            raise ConnectionError(f"the consumer's verdict on request {request_id!r} was a failure, but its ack "
+                                  "said none")
 
     def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
                       phases: Phases) -> None:

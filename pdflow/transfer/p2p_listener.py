@@ -112,6 +112,7 @@ class _Session:
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
         self.slots: list[torch.Tensor] | None = None  # the two halves of a pipelined pair's buffer
+        self.verdicts: list[torch.Tensor] = []  # ok (0) and failed (1): what a pipelined pair says per request
 
     def serve(self) -> None:
         try:
@@ -224,16 +225,17 @@ class _Session:
         half = buf.numel() // 2
         if self.slots is None:
             self.slots = [buf[:half], buf[half:2 * half]]
+            self.verdicts = [torch.tensor([v], dtype=torch.int64, device=buf.device) for v in (0, 1)]
         return self.chunks(num_blocks, half, self.listener.spec.chunk_ramp), self.slots
 
     def _post_first(self, blocks: list[int], buf: torch.Tensor | None, group) -> dict:
-        """The receives of a pipelined request's first two chunks (both halves are free: the
-        last request synchronized), posted before anything else on the request's path: the
-        producer's first chunk cannot leave before its receive is posted."""
+        """The receive of a pipelined request's first chunk (both halves are free: the last
+        request synchronized), posted before anything else on the request's path: the
+        producer's first chunk cannot leave before it is posted."""
         if group is None or buf is None:
             return {}
         parts, slots = self._parts(len(blocks), buf)
-        return {i: group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0) for i in range(min(2, len(parts)))}
+        return {0: group.recv([slots[0][:size_of(parts[0])]], 1, 0)} if parts else {}
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
         self.conn.sock.settimeout(None)  # idle between requests
@@ -301,6 +303,8 @@ class _Session:
             phases.mark("posted")
             timeout_s = self.listener.spec.timeout_s
             with abort_after(group, timeout_s) as aborted:  # a producer that dies mid-request
+                if len(parts) > 1:
+                    post(1)  # chunk 1 leaves after chunk 0 is through: posted after the first
                 rows = build_rows()  # while the first chunks arrive
                 phases.mark("rows")
                 for i, chunk in enumerate(parts):
@@ -310,11 +314,21 @@ class _Session:
                     phases.mark("recv")
                     error = scatter(chunk, slots[i % 2])
                     phases.mark("scatter")
-                synchronize(self.listener.device)
+                if not error:
+                    self.listener.landed += 1  # counted before the verdict: the producer may look once it has it
+                # The verdict, after the last scatter in stream order (``P2PPeer._verdict``).
+                group.send([self.verdicts[bool(error)]], 1, 0).wait()
+                phases.mark("verdict")
+                synchronize(self.listener.device)  # off the producer's path: its half-buffers are free again
             if aborted():
+                self.listener.landed -= not error
                 raise ConnectionError(f"request {request.request_id!r}: the producer's chunks did not all come "
                                       f"within {timeout_s} s; the pair's group was aborted")
             phases.mark("synced")
+            if error:
+                self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
+            phases.report()
+            return
         if not error:
             self.listener.landed += 1  # counted before the ack: the producer may look once it returns
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
