@@ -46,8 +46,8 @@ from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-exported
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
+    GroupDeadline,
     Phases,
-    abort_after,
     abort_group,
     bad_blocks,
     choose_mover,
@@ -128,6 +128,7 @@ class P2PPeer:
             self.verdict_host = self.verdict if self.device.type != "cuda" else torch.zeros(
                 1, dtype=torch.int64, pin_memory=True)
             self.verdict_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.deadline = GroupDeadline(self.group)
         self.timeout_s = spec.timeout_s
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
         # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
@@ -178,44 +179,44 @@ class P2PPeer:
         else:  # two halves: pack chunk i+1 while chunk i is on the wire
             half = self.buffer_bytes // 2
             parts = self._chunks(len(src_blocks), half, self.ramp)
-            for i, chunk in enumerate(parts):
-                slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
-                if self._sending[i % 2] is not None:
-                    self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
-                phases.mark("wait")
-                self._pack(chunk, slot, src_blocks, rows)
-                phases.mark("pack")
-                self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
-                phases.mark("send")
-            self._verdict(max(len(parts) - 1, 0), request_id)
+            with self.deadline.armed(self.timeout_s) as aborted:  # a consumer that stalls or dies
+                for i, chunk in enumerate(parts):
+                    slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
+                    if self._sending[i % 2] is not None:
+                        self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
+                    phases.mark("wait")
+                    self._pack(chunk, slot, src_blocks, rows)
+                    phases.mark("pack")
+                    self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
+                    phases.mark("send")
+                failed = self._verdict()
+            if aborted():
+                raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
+                                      f"{self.timeout_s} s; the pair's group was aborted")
+            self._sending = [None, None]  # the verdict came after every send of the request ended
             phases.mark("verdict")
+            if failed:
+                self._ack(max(len(parts) - 1, 0))  # its error, on the control socket
+                raise ConnectionError(f"the consumer's verdict on request {request_id!r} was a failure, but its "
+                                      "ack said none")
             phases.report()
             return
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
         phases.report()
 
-    def _verdict(self, last: int, request_id: str) -> None:
-        """Wait for the consumer's 8-byte verdict on the pair's group: 0 when the request is
-        scattered into its caches (sent in stream order after its last scatter, so no host
-        step on its side and no socket on the path), else its error follows on the control
-        socket. Waited for on a stream of its own: this rank's stream may already hold its
-        next step's work. A consumer that stalls or dies leaves the receive waiting on the
-        GPU: the group is aborted at the deadline."""
+    def _verdict(self) -> bool:
+        """Wait for the consumer's 8-byte verdict on the pair's group (whether the request
+        failed): sent in stream order after its last scatter, so no host step on its side
+        and no socket on the path; a failure's text follows on the control socket. Waited
+        for on a stream of its own: this rank's stream may already hold its next step's
+        work. A stalled or dead consumer is the armed deadline's (``GroupDeadline``)."""
         with torch.cuda.stream(self.verdict_stream) if self.verdict_stream is not None else contextlib.nullcontext():
-            done = self.group.recv([self.verdict], 0, 0)
-            with abort_after(self.group, self.timeout_s) as aborted:
-                done.wait()
-                if self.verdict_stream is not None:
-                    self.verdict_host.copy_(self.verdict, non_blocking=True)
-                    self.verdict_stream.synchronize()
-        if aborted():
-            raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
-                                  f"{self.timeout_s} s; the pair's group was aborted")
-        if int(self.verdict_host[0]):
-            self._ack(last)  # its error, on the control socket
-            raise ConnectionError(f"the consumer's verdict on request {request_id!r} was a failure, but its ack "
-                                  "said none")
+            self.group.recv([self.verdict], 0, 0).wait()
+            if self.verdict_stream is not None:
+                self.verdict_host.copy_(self.verdict, non_blocking=True)
+                self.verdict_stream.synchronize()
+        return bool(int(self.verdict_host[0]))
 
     def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
                       phases: Phases) -> None:
@@ -264,6 +265,7 @@ class P2PPeer:
             raise TransferError(f"consumer failed the request: {ack.error}")
 
     def close(self) -> None:
+        self.deadline.close()
         self.conn.close()
         self.buf = None
         self.dst_caches, self._mapped, self.dst_table = {}, {}, None

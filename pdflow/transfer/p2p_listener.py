@@ -31,8 +31,8 @@ from pdflow.transfer.p2p_messages import (
     PeerClosed,
 )
 from pdflow.transfer.p2p_parts import (
+    GroupDeadline,
     Phases,
-    abort_after,
     abort_group,
     bad_blocks,
     device_identity,
@@ -111,6 +111,7 @@ class _Session:
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
+        self.deadline = GroupDeadline(None)  # the pair's group's, once it has one
         self.slots: list[torch.Tensor] | None = None  # the two halves of a pipelined pair's buffer
         self.verdicts: list[torch.Tensor] = []  # ok (0) and failed (1): what a pipelined pair says per request
 
@@ -126,6 +127,7 @@ class _Session:
             raise
         try:
             if setup is not None:
+                self.deadline = GroupDeadline(setup[2])
                 device = self.listener.device
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
@@ -141,6 +143,7 @@ class _Session:
                   file=sys.stderr, flush=True)
         finally:
             if setup is not None:  # nothing of the pair may still wait on the GPU
+                self.deadline.close()
                 abort_group(setup[2])
             self.conn.close()
 
@@ -302,7 +305,7 @@ class _Session:
 
             phases.mark("posted")
             timeout_s = self.listener.spec.timeout_s
-            with abort_after(group, timeout_s) as aborted:  # a producer that dies mid-request
+            with self.deadline.armed(timeout_s) as aborted:  # a producer that stalls or dies mid-request
                 if len(parts) > 1:
                     post(1)  # chunk 1 leaves after chunk 0 is through: posted after the first
                 rows = build_rows()  # while the first chunks arrive

@@ -216,28 +216,48 @@ def _is_nccl(group: dist.ProcessGroup | None) -> bool:
     return isinstance(group, getattr(dist, "ProcessGroupNCCL", ()))  # CPU builds of torch have no NCCL
 
 
-@contextlib.contextmanager
-def abort_after(group: dist.ProcessGroup | None, seconds: float):
-    """Abort ``group`` (NCCL) if the block is still running after ``seconds``; yields a
-    callable saying whether it did. A device synchronize waiting on a receive whose sender
-    died or stalled then returns (the aborted kernels end) instead of waiting until torch's
-    watchdog ends the whole process."""
-    if not _is_nccl(group):
-        yield lambda: False
-        return
-    fired = threading.Event()
+class GroupDeadline:
+    """Aborts a pair's NCCL group when a request's deadline passes while it is armed. A send
+    or receive whose peer died or stalled waits on the GPU for good, and so would the host:
+    in a device synchronize, or in NCCL's own enqueue once its work queue is full of ops
+    that cannot start. Aborting the group ends both (torch then raises), where torch's
+    watchdog would end the whole process. One watching thread per pair, armed per request
+    by setting an attribute: nothing starts on the request's path. Gloo's waits end with
+    its own timeout: nothing to watch."""
 
-    def fire() -> None:
-        fired.set()
-        abort_group(group)
+    POLL_S = 0.05
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield fired.is_set
-    finally:
-        timer.cancel()
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group, self.fired = group, False
+        self._until: float | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if _is_nccl(group):
+            threading.Thread(target=self._watch, name="p2p-deadline", daemon=True).start()
+
+    @contextlib.contextmanager
+    def armed(self, seconds: float):
+        """Abort the group if the block is still running after ``seconds``; yields a
+        callable saying whether it did."""
+        with self._lock:
+            self.fired, self._until = False, time.monotonic() + seconds
+        try:
+            yield lambda: self.fired
+        finally:
+            with self._lock:
+                self._until = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.POLL_S):
+            with self._lock:
+                due = self._until is not None and time.monotonic() >= self._until
+                if due:
+                    self.fired, self._until = True, None
+            if due:
+                abort_group(self.group)
 
 
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
