@@ -9,6 +9,8 @@ the packed stream and ``shift`` a buffer's address less the chunk's first offset
 table built once per request serves every chunk's pack and scatter (a slice of it per
 chunk, nothing rebuilt on the host); with ``b`` an absolute address and ``shift`` 0 it is
 a plain gather-scatter (a producer writing straight into a consumer's caches).
+``copy_plan`` computes each row in the kernel instead, from a cut plan's per-group
+constants and the request's block ids, so a request builds no table at all.
 ``copy_runs_reference`` is the same copy on the host (CPU tensors), for tests.
 """
 
@@ -71,6 +73,95 @@ def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: b
                                                                    REVERSE=reverse)
         else:
             _copy_runs_kernel[(table.shape[0], parts)](table, shift, BLOCK=block, REVERSE=reverse)
+
+
+# Per group of a cut plan, what ``copy_plan`` reads (int64): units, runs per block, packed
+# bytes per (unit, block), and the addresses of four int64 arrays: each (unit, run)'s
+# address in block 0 ([units, runs]), each unit's block stride ([units]), each run's
+# length in words and its offset in one block's packed runs ([runs] each).
+PLAN_FIELDS = 7
+
+
+@triton.jit
+def _plan_row(plan_ptr, ids_ptr, k, r, GROUPS: tl.constexpr):
+    """Row ``r`` of a request of ``k`` blocks in packing's order (group, unit, block, run):
+    its address on this side, its offset in the packed stream, its length in words."""
+    zero = r * 0
+    row_start, byte_start = zero, zero
+    base, stride, offset, words, index = zero, zero, zero, zero, zero
+    for g in tl.static_range(GROUPS):
+        d = plan_ptr + g * 7
+        units, runs, per_block = tl.load(d), tl.load(d + 1), tl.load(d + 2)
+        n = units * k * runs
+        local = tl.minimum(tl.maximum(r - row_start, 0), n - 1)  # in range for every group
+        unit, kk, run = local // (k * runs), (local // runs) % k, local % runs
+        inside = (r >= row_start) & (r < row_start + n)
+        first = tl.load(tl.load(d + 3).to(tl.pointer_type(tl.int64)) + unit * runs + run)
+        base = tl.where(inside, first, base)
+        stride = tl.where(inside, tl.load(tl.load(d + 4).to(tl.pointer_type(tl.int64)) + unit), stride)
+        words = tl.where(inside, tl.load(tl.load(d + 5).to(tl.pointer_type(tl.int64)) + run), words)
+        prefix = tl.load(tl.load(d + 6).to(tl.pointer_type(tl.int64)) + run)
+        offset = tl.where(inside, byte_start + (unit * k + kk) * per_block + prefix, offset)
+        index = tl.where(inside, kk, index)
+        row_start += n
+        byte_start += units * k * per_block
+    block = tl.load(ids_ptr.to(tl.pointer_type(tl.int64)) + index)
+    return base + block * stride, offset, words
+
+
+@triton.jit
+def _copy_plan_slice(plan_ptr, ids_ptr, k, r, part, shift, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                     REVERSE: tl.constexpr):
+    a, b, words = _plan_row(plan_ptr, ids_ptr, k, r, GROUPS)
+    b = b + shift
+    if REVERSE:
+        src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
+    else:
+        src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < words
+    tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+
+
+# One compile per (groups, block, direction): a request's numbers are not specialized on
+# (a 1-block request, or an offset divisible by 16, would each compile anew on its path).
+@triton.jit(do_not_specialize=["ids_ptr", "k", "first", "shift"])
+def _copy_plan_kernel(plan_ptr, ids_ptr, k, first, shift, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                      REVERSE: tl.constexpr):
+    r = first + tl.program_id(0).to(tl.int64)
+    _copy_plan_slice(plan_ptr, ids_ptr, k, r, tl.program_id(1), shift, GROUPS, BLOCK, REVERSE)
+
+
+@triton.jit(do_not_specialize=["ids_ptr", "k", "first", "shift", "n_slices", "parts"])
+def _copy_plan_strided_kernel(plan_ptr, ids_ptr, k, first, shift, n_slices, parts, GROUPS: tl.constexpr,
+                              BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    for idx in range(tl.program_id(0), n_slices, tl.num_programs(0)):
+        r = (first + idx // parts).to(tl.int64)
+        _copy_plan_slice(plan_ptr, ids_ptr, k, r, idx % parts, shift, GROUPS, BLOCK, REVERSE)
+
+
+def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: int, max_words: int, *,
+              shift: int = 0, reverse: bool = False, programs: int = 0) -> None:
+    """``copy_runs`` over rows [first, stop) of a request of ``k`` blocks, each row computed
+    in the kernel from ``plan`` (int64 [groups, PLAN_FIELDS] on the launching device: a cut
+    plan's per-group constants) and the block ids ``ids`` (int64, on that device). Nothing
+    is built per request: the request writes its block ids and launches. Row r copies from the run's address to
+    ``offset + shift`` (``reverse``: back)."""
+    if stop <= first or k <= 0:
+        return
+    if plan.dim() != 2 or plan.shape[1] != PLAN_FIELDS or not plan.is_contiguous():
+        raise ValueError(f"copy_plan takes a contiguous [groups, {PLAN_FIELDS}] plan")
+    block = min(2048, triton.next_power_of_2(max(max_words, 16)))
+    parts = triton.cdiv(max_words, block)
+    groups = plan.shape[0]
+    with torch.cuda.device(plan.device) if plan.is_cuda else contextlib.nullcontext():  # Triton: current device
+        if programs > 0:
+            n_slices = (stop - first) * parts
+            _copy_plan_strided_kernel[(min(programs, n_slices),)](plan, ids.data_ptr(), k, first, shift, n_slices,
+                                                                   parts, GROUPS=groups, BLOCK=block, REVERSE=reverse)
+        else:
+            _copy_plan_kernel[(stop - first, parts)](plan, ids.data_ptr(), k, first, shift, GROUPS=groups, BLOCK=block,
+                                                     REVERSE=reverse)
 
 
 def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:

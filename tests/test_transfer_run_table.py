@@ -84,6 +84,56 @@ def test_run_table_packs_and_scatters_like_packing(graph_of, kind, page):
         assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
 
 
+def _copy_plan(kind: str, table: RunTable, blocks: list[int], first: int, stop: int, **how) -> None:
+    """``copy_plan`` through the interpreter (rows computed in the kernel from the plan and
+    the block ids), or the materialized rows through the reference."""
+    if kind == "reference":
+        copy_runs_mod.copy_runs_reference(table.rows(blocks)[first:stop], **how)
+        return
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors through the interpreter; on a GPU the transfer bench checks the kernel")
+    copy_runs_mod.copy_plan(table.plan, table.ids(blocks), len(blocks), first, stop, table.max_words,
+                            programs=3 if kind == "triton-strided" else 0, **how)
+
+
+@pytest.mark.parametrize("kind", ["triton", "triton-strided", "reference"])
+@pytest.mark.parametrize("page", [16, 32])
+def test_copy_plan_packs_and_scatters_like_packing(graph_of, kind, page):
+    """The pairs' pack and scatter: every row computed in the kernel from the plan's
+    per-group constants and the block ids, chunk by chunk, two groups at page 32."""
+    plan, units, src_caches, want, want_caches = _setup(graph_of, page)
+    got_caches = caches_for(units, 6, fill="poison")
+    packer, scatterer = RunTable(plan, src_caches, "src"), RunTable(plan, got_caches, "dst")
+    parts = chunks(plan, len(SRC), max(p.nbytes for p in chunks(plan, len(SRC), 1 << 30)[0]) // 2 or 1)
+    assert len(parts) > 1 and len({p.group for chunk in parts for p in chunk}) == len(plan.groups)
+    for chunk in parts:
+        lo = chunk[0].offset
+        buf = torch.zeros(sum(p.nbytes for p in chunk), dtype=torch.uint8)
+        _copy_plan(kind, packer, SRC, *packer.span(chunk, len(SRC)), shift=buf.data_ptr() - lo)
+        assert torch.equal(buf, want[lo:lo + len(buf)])
+        _copy_plan(kind, scatterer, DST, *scatterer.span(chunk, len(DST)), shift=buf.data_ptr() - lo, reverse=True)
+    for name, cache in want_caches.items():
+        assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter")
+def test_copy_plan_reads_the_block_ids_when_it_runs(graph_of):
+    """No addresses are built per request: the kernel reads the ids, so other blocks' ids
+    move other blocks (caught against packing), and ids rewritten before the copy runs
+    (the next request's) are the ones it moves: why a pair keeps one request in flight."""
+    plan, _, src_caches, want, _ = _setup(graph_of, 16)
+    table = RunTable(plan, src_caches, "src")
+    n = len(table.rows(SRC))
+    got = torch.zeros_like(want)
+    copy_runs_mod.copy_plan(table.plan, table.ids(SRC[::-1]), len(SRC), 0, n, table.max_words, shift=got.data_ptr())
+    assert not torch.equal(got, want)
+    ids = table.ids(SRC[::-1])
+    table.ids(SRC)  # rewritten in place before the copy runs
+    got.zero_()
+    copy_runs_mod.copy_plan(table.plan, ids, len(SRC), 0, n, table.max_words, shift=got.data_ptr())
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kind", ["triton", "triton-strided", "reference"])
 def test_direct_rows_write_caches_like_packing(graph_of, kind):
     """transfer=cuda_ipc: producer caches straight into consumer caches, one launch."""

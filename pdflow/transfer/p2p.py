@@ -19,8 +19,9 @@ will move (``p2p_parts.choose_mover``):
 - ``gloo``: ``transfer=nccl`` with CPU caches (what the tests on a laptop run).
 
 Per request the producer packs the runs its cut plan names for that consumer rank
-(``packing``'s order, so every path leaves identical caches; on a GPU one ``copy_runs``
-launch per chunk, over rows built once per request on the device), moves them in chunks of
+(``packing``'s order, so every path leaves identical caches; on a GPU one ``copy_plan``
+launch per chunk, computing the chunk's runs in the kernel from the block ids), moves them
+in chunks of
 the consumer's receive buffer, and waits for the consumer's word that it scattered the
 bytes into its caches: when ``send`` returns the KV is in place, as after a one-sided
 write, and the engine's path does not change. Over a process group (``nccl``, ``gloo``)
@@ -158,15 +159,15 @@ class P2PPeer:
         if self.mover == "peer":
             self._write_direct(src_blocks, dst_blocks, request_id, phases)
             return
-        # The request first: the consumer plans its receives while this rank builds its rows.
+        # The request first: the consumer posts its first receive while this rank packs.
         self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
         phases.mark("request")
-        rows = self.table.rows(src_blocks) if self.table is not None else None
-        phases.mark("rows")
+        ids = self.table.ids(src_blocks) if self.table is not None else None  # what copy_plan reads
+        phases.mark("ids")
         if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
             parts = self._chunks(len(src_blocks), self.buffer_bytes, 0)
             for i, chunk in enumerate(parts):
-                self._pack(chunk, self.buf, src_blocks, rows)
+                self._pack(chunk, self.buf, src_blocks, ids)
                 synchronize(self.device)
                 phases.mark("pack")
                 if self.mover == "mooncake":
@@ -185,7 +186,7 @@ class P2PPeer:
                     if self._sending[i % 2] is not None:
                         self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
                     phases.mark("wait")
-                    self._pack(chunk, slot, src_blocks, rows)
+                    self._pack(chunk, slot, src_blocks, ids)
                     phases.mark("pack")
                     self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
                     phases.mark("send")
@@ -242,16 +243,17 @@ class P2PPeer:
         self.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int],
-              rows: torch.Tensor | None) -> None:
-        """Chunk ``chunk`` of the request into ``out``: a slice of the request's ``rows`` on a
-        GPU, torch index ops per piece on CPU."""
+              ids: torch.Tensor | None) -> None:
+        """Chunk ``chunk`` of the request into ``out``: one ``copy_plan`` launch over the
+        chunk's rows on a GPU (``ids``: the block ids it reads), torch index ops per piece
+        on CPU."""
         base = chunk[0].offset
-        if rows is not None:
+        if ids is not None:
             first, stop = self.table.span(chunk, len(src_blocks))
-            from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+            from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
 
-            copy_runs(rows[first:stop], self.table.max_words, shift=out.data_ptr() - base,
-                      programs=self.copy_programs)
+            copy_plan(self.table.plan, ids, len(src_blocks), first, stop, self.table.max_words,
+                      shift=out.data_ptr() - base, programs=self.copy_programs)
             return
         for p in chunk:
             pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],

@@ -258,22 +258,22 @@ class _Session:
                 raise ConnectionError(f"a producer wrote blocks this rank refuses: {error}")
             self.listener.landed += 1
             return
-        rows = None
+        ids = None  # the block ids copy_plan reads (GPU caches)
 
-        def build_rows() -> torch.Tensor | None:
-            return self.table.rows(blocks) if self.table is not None and not error else None
+        def block_ids() -> torch.Tensor | None:
+            return self.table.ids(blocks) if self.table is not None and not error else None
 
         def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
             if error:
                 return error  # the bytes were drained, never written
             try:
                 base = chunk[0].offset
-                if rows is not None:  # one kernel over the chunk's runs
+                if ids is not None:  # one kernel over the chunk's runs
                     first, stop = self.table.span(chunk, len(blocks))
-                    from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton
+                    from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
 
-                    copy_runs(rows[first:stop], self.table.max_words, shift=data.data_ptr() - base, reverse=True,
-                              programs=self.listener.spec.copy_programs)
+                    copy_plan(self.table.plan, ids, len(blocks), first, stop, self.table.max_words,
+                              shift=data.data_ptr() - base, reverse=True, programs=self.listener.spec.copy_programs)
                     return ""
                 for p in chunk:
                     unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
@@ -284,7 +284,7 @@ class _Session:
 
         if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
             parts = self.chunks(len(blocks), buf.numel())
-            rows = build_rows()
+            ids = block_ids()
             for i, chunk in enumerate(parts):
                 note = self.conn.recv()
                 if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
@@ -308,8 +308,8 @@ class _Session:
             with self.deadline.armed(timeout_s) as aborted:  # a producer that stalls or dies mid-request
                 if len(parts) > 1:
                     post(1)  # chunk 1 leaves after chunk 0 is through: posted after the first
-                rows = build_rows()  # while the first chunks arrive
-                phases.mark("rows")
+                ids = block_ids()
+                phases.mark("ids")
                 for i, chunk in enumerate(parts):
                     if 2 <= i + 1 < len(parts):
                         post(i + 1)  # after chunk i-1's scatter in stream order: its half is free

@@ -3,7 +3,10 @@
 The packed order is ``packing``'s (group, unit pair, block, run), so a buffer packed from
 these rows is byte-identical to ``packing.pack``'s. For each row: the address on this
 rank's side (a producer cache's run, or a consumer cache's), its offset in the stream, and
-its length in words. A request's rows live on the caches' device in a table kept per
+its length in words. ``plan``/``ids`` feed ``copy_plan``, which computes every row in the
+kernel from per-group constants and the request's block ids (the pairs' pack and scatter:
+a request copies its block ids to the device and builds nothing). ``rows`` materializes them (a producer writing straight into
+a consumer's caches pairs two tables' rows): on the caches' device, in a table kept per
 request length (offsets and lengths filled once); a request writes only its addresses,
 one op per group; a chunk of the stream (whole pieces) is a contiguous slice of them whose
 bounds come from the plan's arithmetic on the host, so no chunk rebuilds or moves a table
@@ -58,10 +61,38 @@ class RunTable:
                 per_block=group.bytes_per_unit, units=len(names), runs=len(lengths)))
             self.unit_index.append({pair: i for i, pair in enumerate(group.units)})
         self.max_words = max((max(r.length for r in g.runs) // WORD for g in plan.groups if g.runs), default=0)
+        # For ``copy_plan``: the same per-group constants flat, and the addresses of their
+        # arrays (kept alive here), one row per group with runs; the block ids, pinned.
+        moving = [g for g in self.groups if g.units and g.runs]
+        self._arrays = [[t.reshape(-1).contiguous() for t in (g.first_block, g.stride, g.words, g.prefix)]
+                        for g in moving]
+        self.plan = torch.tensor([[g.units, g.runs, g.per_block, *(t.data_ptr() for t in arrays)]
+                                  for g, arrays in zip(moving, self._arrays, strict=True)],
+                                 dtype=torch.int64).reshape(-1, 7).to(self.device)
+        self._ids = self._host_ids = torch.zeros(0, dtype=torch.int64)
         # Per request length (the last TEMPLATES lengths: device memory, bounded): the rows
         # with offsets and lengths filled once, the block ids' pinned host copy and device
         # copy. A request rewrites only the addresses.
         self._template = functools.lru_cache(maxsize=TEMPLATES)(self._build_template)
+
+    def ids(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The request's block ids where ``copy_plan`` reads them, on the rows' device: one
+        host-to-device copy from pinned memory, the only device op a request adds before
+        its first copy (on the GPU host measured, each op on a request's path cost 20-140
+        us, and building its rows ~0.2 ms of the ~0.5 ms before its first chunk moved).
+        Rewritten by the next request: the copies reading them must be in stream order
+        after this request's (a pair's requests run one at a time on one stream, each
+        synchronized at its end)."""
+        k = len(blocks)
+        if k > self._ids.numel():
+            n = max(k, 2 * self._ids.numel())
+            self._host_ids = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._ids = self._host_ids if self.device.type != "cuda" else torch.zeros(n, dtype=torch.int64,
+                                                                                      device=self.device)
+        self._host_ids.numpy()[:k] = blocks
+        if self._ids is not self._host_ids:
+            self._ids[:k].copy_(self._host_ids[:k], non_blocking=True)
+        return self._ids
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """int64 [n, 3] on the device: (address, stream offset, words) of every run of these

@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     import kernel_bench  # noqa: E402, F401  (maps pdflow.kernels without an install)
 
 import triton  # noqa: E402
+from pdflow.kernels import copy_runs as CR  # noqa: E402
 from pdflow.kernels import decode_attention as DA  # noqa: E402
 from pdflow.kernels import prefill_attention as PA  # noqa: E402
 from pdflow.kernels import prefill_gluon as PG  # noqa: E402
@@ -120,6 +121,11 @@ def cases():
     yield ("prefill variant tma page16 halves w4 bn64 bf16x2", PV._prefill_variant_kernel,
            {**var, "KV_MODE": 1, "BLOCK_N": 64, "LOOP_STAGES": 3, "SPLIT": 2, "EXP": 1},
            {**tptr, "k_src": desc4h, "v_src": desc4h}, dict(num_warps=4, num_stages=2), True)
+    plan = dict(plan_ptr="*i64", ids_ptr="i64", k="i64", first="i64", shift="i64")
+    yield ("copy_plan (pack, two groups)", CR._copy_plan_kernel, dict(GROUPS=2, BLOCK=2048, REVERSE=False), plan,
+           dict(num_warps=4), False)
+    yield ("copy_plan strided (scatter)", CR._copy_plan_strided_kernel, dict(GROUPS=1, BLOCK=2048, REVERSE=True),
+           {**plan, "n_slices": "i64", "parts": "i64"}, dict(num_warps=4), False)
     yield ("store_kv", SK._store_kv_kernel,
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
