@@ -27,18 +27,23 @@ WORD = 8  # bytes per element copied: every run's address and length is a multip
 
 
 @triton.jit
-def _copy_slice(table_ptr, shift, run, part, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """Slice ``part`` of run ``run``: up to BLOCK words."""
-    a = tl.load(table_ptr + run * 3)
-    b = tl.load(table_ptr + run * 3 + 1) + shift
+def _copy_words(a, b, words, part, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """Slice ``part`` (up to BLOCK words) of a run of ``words`` words from address ``a`` to
+    ``b`` (``REVERSE``: back)."""
     if REVERSE:
         src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
     else:
         src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
-    words = tl.load(table_ptr + run * 3 + 2)
     offs = part * BLOCK + tl.arange(0, BLOCK)
     keep = offs < words
     tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+
+
+@triton.jit
+def _copy_slice(table_ptr, shift, run, part, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """Slice ``part`` of run ``run`` of the table."""
+    row = table_ptr + run * 3
+    _copy_words(tl.load(row), tl.load(row + 1) + shift, tl.load(row + 2), part, BLOCK, REVERSE)
 
 
 @triton.jit
@@ -53,6 +58,12 @@ def _copy_runs_strided_kernel(table_ptr, shift, n_slices, parts, BLOCK: tl.const
         _copy_slice(table_ptr, shift, idx // parts, idx % parts, BLOCK, REVERSE)
 
 
+def _slices(max_words: int) -> tuple[int, int]:
+    """(words per program, programs per run) for runs of at most ``max_words`` words."""
+    block = min(2048, triton.next_power_of_2(max(max_words, 16)))
+    return block, triton.cdiv(max_words, block)
+
+
 def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: bool = False,
               programs: int = 0) -> None:
     """Copy every run of ``table`` (int64 [n, 3], contiguous rows, on the device that
@@ -64,8 +75,7 @@ def copy_runs(table: torch.Tensor, max_words: int, *, shift: int = 0, reverse: b
         return
     if table.stride() != (3, 1):
         raise ValueError("copy_runs takes a table of contiguous [n, 3] rows")
-    block = min(2048, triton.next_power_of_2(max(max_words, 16)))
-    parts = triton.cdiv(max_words, block)
+    block, parts = _slices(max_words)
     with torch.cuda.device(table.device) if table.is_cuda else contextlib.nullcontext():  # Triton: current device
         if programs > 0:
             n_slices = table.shape[0] * parts
@@ -113,14 +123,7 @@ def _plan_row(plan_ptr, ids_ptr, k, r, GROUPS: tl.constexpr):
 def _copy_plan_slice(plan_ptr, ids_ptr, k, r, part, shift, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
                      REVERSE: tl.constexpr):
     a, b, words = _plan_row(plan_ptr, ids_ptr, k, r, GROUPS)
-    b = b + shift
-    if REVERSE:
-        src, dst = b.to(tl.pointer_type(tl.int64)), a.to(tl.pointer_type(tl.int64))
-    else:
-        src, dst = a.to(tl.pointer_type(tl.int64)), b.to(tl.pointer_type(tl.int64))
-    offs = part * BLOCK + tl.arange(0, BLOCK)
-    keep = offs < words
-    tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+    _copy_words(a, b + shift, words, part, BLOCK, REVERSE)
 
 
 # One compile per (groups, block, direction): a request's numbers are not specialized on
@@ -151,8 +154,7 @@ def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: i
         return
     if plan.dim() != 2 or plan.shape[1] != PLAN_FIELDS or not plan.is_contiguous():
         raise ValueError(f"copy_plan takes a contiguous [groups, {PLAN_FIELDS}] plan")
-    block = min(2048, triton.next_power_of_2(max(max_words, 16)))
-    parts = triton.cdiv(max_words, block)
+    block, parts = _slices(max_words)
     groups = plan.shape[0]
     with torch.cuda.device(plan.device) if plan.is_cuda else contextlib.nullcontext():  # Triton: current device
         if programs > 0:

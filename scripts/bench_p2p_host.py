@@ -20,6 +20,7 @@ Rows (median of ``--reps``, microseconds of host time):
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -109,10 +110,10 @@ def _rank(rank: int, path: str, result, reps: int = 50) -> None:
         torch.cuda.synchronize()
     mine = {k: _us(v) for k, v in calls.items() if v}
     if rank == 1:
-        store.set("calls", repr(mine))
+        store.set("calls", json.dumps(mine))
     else:
         rows.update(mine)
-        rows.update(eval(store.get("calls")))  # noqa: S307 (a dict of floats this script wrote)
+        rows.update(json.loads(store.get("calls")))
         from pdflow.kernels.copy_runs import copy_runs
 
         table = out_of_order_runs(halves[0], 4096 * 32 * 1024)  # into the second half
