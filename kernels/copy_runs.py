@@ -148,8 +148,8 @@ def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: i
     """``copy_runs`` over rows [first, stop) of a request of ``k`` blocks, each row computed
     in the kernel from ``plan`` (int64 [groups, PLAN_FIELDS] on the launching device: a cut
     plan's per-group constants) and the block ids ``ids`` (int64, on that device). Nothing
-    is built per request: the request writes its block ids and launches. Row r copies from the run's address to
-    ``offset + shift`` (``reverse``: back)."""
+    is built per request: the request writes its block ids and launches. Row r copies from
+    the run's address to its stream offset + ``shift`` (``reverse``: back)."""
     if stop <= first or k <= 0:
         return
     if plan.dim() != 2 or plan.shape[1] != PLAN_FIELDS or not plan.is_contiguous():

@@ -124,6 +124,8 @@ class P2PPeer:
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s, self.buf[:self.buffer_bytes // 2])
+            half = self.buffer_bytes // 2
+            self.halves = [self.buf[:half], self.buf[half:2 * half]]  # ``_stream``'s two slots
             # The consumer's verdict on each request (``_verdict``), and its host copy.
             self.verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.verdict_host = self.verdict if self.device.type != "cuda" else torch.zeros(
@@ -164,46 +166,49 @@ class P2PPeer:
         phases.mark("request")
         ids = self.table.ids(src_blocks) if self.table is not None else None  # what copy_plan reads
         phases.mark("ids")
-        if self.group is None:  # ipc, mooncake: into the consumer's own buffer, a chunk at a time
-            parts = self._chunks(len(src_blocks), self.buffer_bytes, 0)
-            for i, chunk in enumerate(parts):
-                self._pack(chunk, self.buf, src_blocks, ids)
-                synchronize(self.device)
-                phases.mark("pack")
-                if self.mover == "mooncake":
-                    self._write(size_of(chunk))
-                    phases.mark("write")
-                self.conn.send(P2PChunk(index=i, nbytes=size_of(chunk)))
-                if i + 1 < len(parts):
-                    self._ack(i)
-                    phases.mark("ack")
-        else:  # two halves: pack chunk i+1 while chunk i is on the wire
-            half = self.buffer_bytes // 2
-            parts = self._chunks(len(src_blocks), half, self.ramp)
-            with self.deadline.armed(self.timeout_s) as aborted:  # a consumer that stalls or dies
-                for i, chunk in enumerate(parts):
-                    slot = self.buf[(i % 2) * half:(i % 2 + 1) * half]
-                    if self._sending[i % 2] is not None:
-                        self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
-                    phases.mark("wait")
-                    self._pack(chunk, slot, src_blocks, ids)
-                    phases.mark("pack")
-                    self._sending[i % 2] = self.group.send([slot[:size_of(chunk)]], 0, 0)
-                    phases.mark("send")
-                failed = self._verdict()
-            if aborted():
-                raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
-                                      f"{self.timeout_s} s; the pair's group was aborted")
-            self._sending = [None, None]  # the verdict came after every send of the request ended
-            phases.mark("verdict")
-            if failed:
-                self._ack(max(len(parts) - 1, 0))  # its error, on the control socket
-                raise ConnectionError(f"the consumer's verdict on request {request_id!r} was a failure, but its "
-                                      "ack said none")
-            phases.report()
+        if self.group is not None:  # two halves: pack chunk i+1 while chunk i is on the wire
+            self._stream(src_blocks, ids, request_id, phases)
             return
+        # ipc, mooncake: into the consumer's own buffer, a chunk at a time, each acked
+        parts = self._chunks(len(src_blocks), self.buffer_bytes, 0)
+        for i, chunk in enumerate(parts):
+            self._pack(chunk, self.buf, src_blocks, ids)
+            synchronize(self.device)
+            phases.mark("pack")
+            if self.mover == "mooncake":
+                self._write(size_of(chunk))
+                phases.mark("write")
+            self.conn.send(P2PChunk(index=i, nbytes=size_of(chunk)))
+            if i + 1 < len(parts):
+                self._ack(i)
+                phases.mark("ack")
         self._ack(max(len(parts) - 1, 0))
         phases.mark("ack")
+        phases.report()
+
+    def _stream(self, src_blocks: Sequence[int], ids: torch.Tensor | None, request_id: str, phases: Phases) -> None:
+        """Over the pair's group: pack chunk i+1 into one half of ``buf`` while chunk i is on
+        the wire from the other, then wait for the consumer's verdict."""
+        parts = self._chunks(len(src_blocks), self.buffer_bytes // 2, self.ramp)
+        with self.deadline.armed(self.timeout_s) as aborted:  # a consumer that stalls or dies
+            for i, chunk in enumerate(parts):
+                if self._sending[i % 2] is not None:
+                    self._sending[i % 2].wait()  # that half's last send left (NCCL: the stream waits)
+                phases.mark("wait")
+                self._pack(chunk, self.halves[i % 2], src_blocks, ids)
+                phases.mark("pack")
+                self._sending[i % 2] = self.group.send([self.halves[i % 2][:size_of(chunk)]], 0, 0)
+                phases.mark("send")
+            failed = self._verdict()
+        if aborted():
+            raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
+                                  f"{self.timeout_s} s; the pair's group was aborted")
+        self._sending = [None, None]  # the verdict came after every send of the request ended
+        phases.mark("verdict")
+        if failed:
+            self._ack(max(len(parts) - 1, 0))  # its error, on the control socket
+            raise ConnectionError(f"the consumer's verdict on request {request_id!r} was a failure, but its "
+                                  "ack said none")
         phases.report()
 
     def _verdict(self) -> bool:

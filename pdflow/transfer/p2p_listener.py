@@ -112,8 +112,8 @@ class _Session:
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
         self.deadline = GroupDeadline(None)  # the pair's group's, once it has one
-        self.slots: list[torch.Tensor] | None = None  # the two halves of a pipelined pair's buffer
-        self.verdicts: list[torch.Tensor] = []  # ok (0) and failed (1): what a pipelined pair says per request
+        self.slots: list[torch.Tensor] = []  # a pipelined pair's: the two halves of its buffer
+        self.verdicts: list[torch.Tensor] = []  # and what it says of each request: ok (0), failed (1)
 
     def serve(self) -> None:
         try:
@@ -214,6 +214,9 @@ class _Session:
             ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf.untyped_storage()))
         else:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
+            half = buffer_bytes // 2  # the pipeline's two slots, and its verdicts: ok (0), failed (1)
+            self.slots = [buf[:half], buf[half:2 * half]]
+            self.verdicts = [torch.tensor([v], dtype=torch.int64, device=lis.device) for v in (0, 1)]
             path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")
             ready = P2PReady(buffer_bytes=buffer_bytes, store_path=path)
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
@@ -223,13 +226,9 @@ class _Session:
         self.pool = pool_blocks(plan, lis.caches)
         return ready, (plan, buf, group, sources)
 
-    def _parts(self, num_blocks: int, buf: torch.Tensor) -> tuple[list[list[Piece]], list[torch.Tensor]]:
-        """A pipelined request's chunks and the two halves of ``buf`` they alternate in."""
-        half = buf.numel() // 2
-        if self.slots is None:
-            self.slots = [buf[:half], buf[half:2 * half]]
-            self.verdicts = [torch.tensor([v], dtype=torch.int64, device=buf.device) for v in (0, 1)]
-        return self.chunks(num_blocks, half, self.listener.spec.chunk_ramp), self.slots
+    def _parts(self, num_blocks: int) -> list[list[Piece]]:
+        """A pipelined request's chunks (each fits one of ``slots``)."""
+        return self.chunks(num_blocks, self.slots[0].numel(), self.listener.spec.chunk_ramp)
 
     def _post_first(self, blocks: list[int], buf: torch.Tensor | None, group) -> dict:
         """The receive of a pipelined request's first chunk (both halves are free: the last
@@ -237,8 +236,8 @@ class _Session:
         producer's first chunk cannot leave before it is posted."""
         if group is None or buf is None:
             return {}
-        parts, slots = self._parts(len(blocks), buf)
-        return {0: group.recv([slots[0][:size_of(parts[0])]], 1, 0)} if parts else {}
+        parts = self._parts(len(blocks))
+        return {0: group.recv([self.slots[0][:size_of(parts[0])]], 1, 0)} if parts else {}
 
     def _serve_request(self, plan: CutPlan, buf: torch.Tensor, group, src_block_bytes: dict[str, int]) -> None:
         self.conn.sock.settimeout(None)  # idle between requests
@@ -298,7 +297,7 @@ class _Session:
                     if error:  # the producer stops at this ack: the request ends here, the pair serves on
                         return
         else:  # two halves: receive chunk i+1 while chunk i is scattered
-            parts, slots = self._parts(len(blocks), buf)
+            parts, slots = self._parts(len(blocks)), self.slots
 
             def post(i: int) -> None:
                 pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
@@ -324,7 +323,8 @@ class _Session:
                 phases.mark("verdict")
                 synchronize(self.listener.device)  # off the producer's path: its half-buffers are free again
             if aborted():
-                self.listener.landed -= not error
+                if not error:
+                    self.listener.landed -= 1  # counted above; the verdict may never have left
                 raise ConnectionError(f"request {request.request_id!r}: the producer's chunks did not all come "
                                       f"within {timeout_s} s; the pair's group was aborted")
             phases.mark("synced")
