@@ -120,6 +120,7 @@ def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
 def producer(args, queues, outbox, result, base_path: str) -> None:
     device = _device(args, 0)
     group = _baseline_group(args, 0, base_path)
+    cycles = _sleep_cycles(args.behind_step_ms, device)
     rows = []
     for page, transfer, ramp, programs in combos(args):
         graph = graph_for(args.model, page, args.device, args.staging_mib, transfer, ramp, programs)
@@ -145,7 +146,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             for rank, peer in peers.items():
                 nbytes = packed_nbytes(peer.plan, n)
                 secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
-                row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9)
+                behind = _behind_step(lambda p=peer: p.send(src, dst), args.reps, device, cycles)
+                row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9, _rate(nbytes, behind))
             peer = peers.get(1)
             if peer is not None and peer.mover == "mooncake":  # Mooncake's own rate: one bare host write
                 size = min(packed_nbytes(peer.plan, n), peer.buffer_bytes)
@@ -155,14 +157,20 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
                 lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
             nbytes = row["r1"][1]
-            queues[1].put(("baseline", nbytes, args.reps + 2))
+            queues[1].put(("baseline", nbytes, args.reps + 2 + (args.reps if cycles else 0)))  # _timed, _behind_step
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             ack = torch.zeros(1, dtype=torch.int64, device=device)
-            row["nccl_one"] = nbytes / _timed(lambda: (group.send([buf], 1, 0).wait(), group.recv([ack], 1, 0).wait()),
-                                              args.reps, device) / 1e9
+
+            def one_send():
+                group.send([buf], 1, 0).wait()
+                group.recv([ack], 1, 0).wait()
+
+            row["nccl_one"] = nbytes / _timed(one_send, args.reps, device) / 1e9
+            row["nccl_one_behind"] = _rate(nbytes, _behind_step(one_send, args.reps, device, cycles))
             assert outbox.get()[0] == "baseline-done"
             other = torch.empty_like(buf)
             row["copy"] = nbytes / _timed(lambda: other.copy_(buf), args.reps, device) / 1e9
+            row["copy_behind"] = _rate(nbytes, _behind_step(lambda: other.copy_(buf), args.reps, device, cycles))
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
             row["d2h"] = nbytes / _timed(lambda: host.copy_(buf), args.reps, device) / 1e9
             if tokens == min(args.tokens):
@@ -219,22 +227,73 @@ def _timed(fn, reps: int, device) -> float:
     return statistics.median(times)
 
 
+def _sleep_cycles(ms: float, device) -> int:
+    """GPU clock cycles ``torch.cuda._sleep`` spins for ``ms`` milliseconds (0: no figure
+    behind a step; CPU: none)."""
+    if device.type != "cuda" or ms <= 0:
+        return 0
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
+
+
+def _behind_step(fn, reps: int, device, cycles: int) -> float | None:
+    """Median seconds from the end of a stand-in forward (``cycles`` of GPU sleep on the
+    current stream) to the host knowing ``fn``'s bytes landed, ``fn`` issued while the
+    sleep runs. A host head longer than the sleep still shows (the clock starts at the
+    sleep's end, not at ``fn``'s first GPU work). None without a GPU."""
+    if not cycles:
+        return None
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        ready, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        ready.record()
+        fn()
+        torch.cuda.current_stream(device).synchronize()  # the host knows: as a send's return does
+        landed.record()
+        landed.synchronize()
+        times.append(ready.elapsed_time(landed) / 1e3)
+    return statistics.median(times)
+
+
+def _rate(nbytes: int, secs: float | None) -> float | None:
+    return None if secs is None else nbytes / secs / 1e9
+
+
+def _ratio(gbs: float | None, base: float | None) -> str:
+    return "-" if gbs is None or not base else f"{gbs / base:.2f}x"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def table(rows, args) -> str:
-    out = ["| transfer | page | tokens | pair | mover | MiB | GB/s | baseline GB/s | ratio | exact |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| transfer | page | tokens | pair | mover | MiB | GB/s | baseline GB/s | ratio | behind a step: GB/s "
+           "| baseline GB/s | ratio | exact |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for rank in (1, 0):
-            mover, nbytes, gbs = r[f"r{rank}"]
-            base, name = (r["nccl_one"], "one send") if rank == 1 else (r["copy"], "device copy")
+            mover, nbytes, gbs, behind = r[f"r{rank}"]
+            base, name, base_behind = ((r["nccl_one"], "one send", r["nccl_one_behind"]) if rank == 1
+                                       else (r["copy"], "device copy", r["copy_behind"]))
             if mover == "mooncake":  # staged through host memory: bound by one device-to-host copy
-                base, name = r["d2h"], "device to host"
+                base, name, base_behind = r["d2h"], "device to host", None
                 if "mooncake_one" in r:
                     name += f"; one bare Mooncake write {r['mooncake_one']:.1f}"
             out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | GPU0 -> rank {rank} | {mover} | "
                        f"{nbytes / 2**20:.0f} | {gbs:.1f} | {base:.1f} ({name}) | {gbs / base:.2f}x | "
+                       f"{_num(behind)} | {_num(base_behind)} | {_ratio(behind, base_behind)} | "
                        f"{r.get('exact', '-')} |")
         out.append(f"| {r['transfer']} | {r['page']} | {r['tokens']} | both ranks, in turn | - | - | "
-                   f"{r['both']:.1f} | - | - | - |")
+                   f"{r['both']:.1f} | - | - | - | - | - | - |")
     return "\n".join(out)
 
 
@@ -249,6 +308,8 @@ def main() -> None:
     ap.add_argument("--chunk-ramps", default="0", help="transfer.chunk_ramp values to run (nccl)")
     ap.add_argument("--copy-programs", default="0", help="transfer.copy_programs values to run (nccl, cuda_ipc)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--behind-step-ms", type=float, default=2.0,
+                    help="the stand-in forward each transfer is issued behind (0: issued idle only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.pages = [int(x) for x in args.pages.split(",")]
@@ -282,7 +343,8 @@ def main() -> None:
     commit = git_commit()
     print(f"\n# one request's head-cut KV through transfer={args.transfers} ({args.model} heads, TP1 -> TP2, "
           f"block {BLOCK}); baseline: one NCCL send of the same bytes + an 8-byte ack (rank 1, GPU 1), a "
-          f"device copy of them (rank 0, GPU 0)")
+          f"device copy of them (rank 0, GPU 0); issued idle (host clock, call to return) and behind a "
+          f"{args.behind_step_ms} ms step (GPU clock, the step's end to the host knowing)")
     print(f"{hw}, torch {torch.__version__}, commit {commit or '?'}, {datetime.date.today()}; "
           f"command: {' '.join(sys.argv)}\n")
     print(table(rows, args))

@@ -116,6 +116,49 @@ def test_copy_plan_packs_and_scatters_like_packing(graph_of, kind, page):
         assert torch.equal(got_caches[name].view(torch.uint8), cache.view(torch.uint8)), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("programs", [0, 3])
+def test_copy_plan_on_a_gpu_leaves_packings_bytes_launch_after_launch(graph_of, programs):
+    """Compiled on a GPU: the first launch of each kernel goes through Triton's JIT entry,
+    every later one through the compiled kernel's runner (``_Compiled``). Requests of
+    other lengths and blocks, packed then scattered chunk by chunk, must each leave
+    exactly what ``packing`` leaves: a runner keyed or fed wrongly moves other bytes."""
+    graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=32", "decode.kv_page_tokens=32")
+    cut = max((c for c in graph.cuts if c.consumer_rank == 1), key=lambda c: c.producer_rank)
+    src_cpu = producer_caches_of(graph, 12)[cut.producer_rank]
+    plan = cut.over(set(src_cpu))
+    units = graph.rank(CONSUMER, cut.consumer_rank).units
+    dst_bytes = {u.name: u.bytes_per_block for u in units}
+    src_bytes = {n: c[0].numel() * c.element_size() for n, c in src_cpu.items()}
+    src = {n: c.cuda() for n, c in src_cpu.items()}
+    got = {n: c.cuda() for n, c in caches_for(units, 12, fill="poison").items()}
+    packer, scatterer = RunTable(plan, src, "src"), RunTable(plan, got, "dst")
+    for src_blocks, dst_blocks in ((SRC, DST), ([7, 1], [11, 0]), (list(range(10, 0, -1)), list(range(10))),
+                                   (SRC[::-1], [9, 8, 6])):
+        want = torch.empty(packed_nbytes(plan, len(src_blocks)), dtype=torch.uint8)
+        pack(plan, src_cpu, src_blocks, want, dst_bytes)
+        want_caches = {n: c.cpu() for n, c in got.items()}
+        unpack(plan, want, dst_blocks, want_caches, src_bytes)
+        parts = chunks(plan, len(src_blocks), max(p.nbytes for p in chunks(plan, len(src_blocks), 1 << 30)[0]) // 2)
+        for chunk in parts:
+            lo = chunk[0].offset
+            buf = torch.zeros(sum(p.nbytes for p in chunk), dtype=torch.uint8, device="cuda")
+            copy_runs_mod.copy_plan(packer.plan, packer.ids(src_blocks), len(src_blocks),
+                                    *packer.span(chunk, len(src_blocks)), packer.max_words,
+                                    shift=buf.data_ptr() - lo, programs=programs)
+            torch.cuda.synchronize()
+            assert torch.equal(buf.cpu(), want[lo:lo + len(buf)]), (src_blocks, lo)
+            copy_runs_mod.copy_plan(scatterer.plan, scatterer.ids(dst_blocks), len(dst_blocks),
+                                    *scatterer.span(chunk, len(dst_blocks)), scatterer.max_words,
+                                    shift=buf.data_ptr() - lo, reverse=True, programs=programs)
+            torch.cuda.synchronize()
+        for name, cache in want_caches.items():
+            assert torch.equal(got[name].cpu().view(torch.uint8), cache.view(torch.uint8)), (name, src_blocks)
+    kernel = copy_runs_mod._copy_plan_strided_kernel if programs else copy_runs_mod._copy_plan_kernel
+    assert any(key[0] == id(kernel) for key in copy_runs_mod._COMPILED.kernels)  # the runner path ran
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter")
 def test_copy_plan_reads_the_block_ids_when_it_runs(graph_of):
     """No addresses are built per request: the kernel reads the ids, so other blocks' ids
