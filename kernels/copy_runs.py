@@ -12,11 +12,6 @@ a plain gather-scatter (a producer writing straight into a consumer's caches).
 ``copy_plan`` computes each row in the kernel instead, from a cut plan's per-group
 constants and the request's block ids, so a request builds no table at all.
 ``copy_runs_reference`` is the same copy on the host (CPU tensors), for tests.
-
-``copy_plan`` launches a kernel it has launched before through the compiled kernel's own
-runner (``_Compiled``): Triton's JIT entry binds and keys every argument on each call,
-~40 us of host time per launch on an H200 host against ~13 us for the runner (measured,
-``bench/RESULTS.md``), and a request's first pack launch sits on its critical path.
 """
 
 from __future__ import annotations
@@ -148,41 +143,6 @@ def _copy_plan_strided_kernel(plan_ptr, ids_ptr, k, first, shift, n_slices, part
         _copy_plan_slice(plan_ptr, ids_ptr, k, r, idx % parts, shift, GROUPS, BLOCK, REVERSE)
 
 
-class _Compiled:
-    """``copy_plan``'s compiled kernels, by everything Triton specialized them on: the
-    constexprs, the device, the plan pointer's 16-byte alignment and each integer
-    argument's width (Triton types an int i32, i64 or u64 by its value, even when it does
-    not specialize on it). A kernel first goes through the JIT entry (which compiles it);
-    after that, through its runner. Under TRITON_INTERPRET nothing is kept."""
-
-    def __init__(self):
-        self.kernels: dict[tuple, object] = {}
-
-    def launch(self, kernel, grid: tuple[int, ...], args: tuple, constexprs: tuple, names: tuple[str, ...]) -> None:
-        plan = args[0]
-        key = (id(kernel), plan.device, constexprs, plan.data_ptr() % 16 == 0, tuple(_int_width(a) for a in args[1:]))
-        compiled = self.kernels.get(key)
-        if compiled is not None:
-            compiled[grid](*args, *constexprs)
-            return
-        out = kernel[grid](*args, **dict(zip(names, constexprs, strict=True)))
-        if isinstance(out, _COMPILED_KERNEL):
-            self.kernels[key] = out
-
-
-def _int_width(x: int) -> str:
-    return "i32" if -2**31 <= x < 2**31 else "i64" if -2**63 <= x < 2**63 else "u64"
-
-
-try:
-    from triton.compiler import CompiledKernel as _COMPILED_KERNEL
-except ImportError:  # a Triton that moved it: every launch takes the JIT entry
-    _COMPILED_KERNEL = ()
-
-_COMPILED = _Compiled()
-_CONSTEXPRS = ("GROUPS", "BLOCK", "REVERSE")
-
-
 def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: int, max_words: int, *,
               shift: int = 0, reverse: bool = False, programs: int = 0) -> None:
     """``copy_runs`` over rows [first, stop) of a request of ``k`` blocks, each row computed
@@ -197,14 +157,13 @@ def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: i
     block, parts = _slices(max_words)
     groups = plan.shape[0]
     with torch.cuda.device(plan.device) if plan.is_cuda else contextlib.nullcontext():  # Triton: current device
-        constexprs = (groups, block, reverse)
         if programs > 0:
             n_slices = (stop - first) * parts
-            _COMPILED.launch(_copy_plan_strided_kernel, (min(programs, n_slices), 1, 1),
-                             (plan, ids.data_ptr(), k, first, shift, n_slices, parts), constexprs, _CONSTEXPRS)
+            _copy_plan_strided_kernel[(min(programs, n_slices),)](plan, ids.data_ptr(), k, first, shift, n_slices,
+                                                                   parts, GROUPS=groups, BLOCK=block, REVERSE=reverse)
         else:
-            _COMPILED.launch(_copy_plan_kernel, (stop - first, parts, 1), (plan, ids.data_ptr(), k, first, shift),
-                             constexprs, _CONSTEXPRS)
+            _copy_plan_kernel[(stop - first, parts)](plan, ids.data_ptr(), k, first, shift, GROUPS=groups, BLOCK=block,
+                                                     REVERSE=reverse)
 
 
 def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:

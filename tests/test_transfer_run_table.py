@@ -119,11 +119,10 @@ def test_copy_plan_packs_and_scatters_like_packing(graph_of, kind, page):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("programs", [0, 3])
-def test_copy_plan_on_a_gpu_leaves_packings_bytes_launch_after_launch(graph_of, programs):
-    """Compiled on a GPU: the first launch of each kernel goes through Triton's JIT entry,
-    every later one through the compiled kernel's runner (``_Compiled``). Requests of
-    other lengths and blocks, packed then scattered chunk by chunk, must each leave
-    exactly what ``packing`` leaves: a runner keyed or fed wrongly moves other bytes."""
+def test_copy_plan_on_a_gpu_leaves_packings_bytes_request_after_request(graph_of, programs):
+    """Compiled on a GPU (one compile per kernel: a request's numbers are not specialized
+    on), request after request of other lengths and blocks, packed then scattered chunk by
+    chunk: each must leave exactly what ``packing`` leaves."""
     graph = graph_of(*OVERRIDES, "prefill.kv_page_tokens=32", "decode.kv_page_tokens=32")
     cut = max((c for c in graph.cuts if c.consumer_rank == 1), key=lambda c: c.producer_rank)
     src_cpu = producer_caches_of(graph, 12)[cut.producer_rank]
@@ -155,8 +154,6 @@ def test_copy_plan_on_a_gpu_leaves_packings_bytes_launch_after_launch(graph_of, 
             torch.cuda.synchronize()
         for name, cache in want_caches.items():
             assert torch.equal(got[name].cpu().view(torch.uint8), cache.view(torch.uint8)), (name, src_blocks)
-    kernel = copy_runs_mod._copy_plan_strided_kernel if programs else copy_runs_mod._copy_plan_kernel
-    assert any(key[0] == id(kernel) for key in copy_runs_mod._COMPILED.kernels)  # the runner path ran
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter")
