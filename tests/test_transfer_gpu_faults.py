@@ -1,6 +1,7 @@
 """A peer that stalls under a ``transfer=nccl`` pair between two GPUs. A consumer rank stopped
 with its connection open: the producer rank's send fails with ``TransferError`` at the
-transfer deadline and the producer lives on. A producer that announces a request and sends
+transfer deadline and the producer lives on; once the consumer runs again, the broken pair
+pairs again (a new NCCL group) and the next request lands. A producer that announces a request and sends
 none of it: the consumer rank gives the request up at the deadline and lives on, and
 serves the next pair. Without the abort of the broken pair's NCCL group, the operations
 left waiting on the GPU are found by torch's watchdog at the group's timeout, which ends
@@ -92,6 +93,12 @@ def _producer(address: str, identity: str, inbox, outbox) -> None:
         outbox.put(("failed", str(err)))
     time.sleep(3 * TIMEOUT_S)  # failed at ~1x the deadline; the group's NCCL timeout is 2x
     outbox.put(("alive", torch.ones(4, device=device).sum().item()))
+    inbox.get()  # the consumer runs again: the broken pair pairs again (a new NCCL group) and lands
+    try:
+        peer.send(list(range(BLOCKS)), list(range(BLOCKS)))
+        outbox.put(("sent again", peer.repairs))
+    except TransferError as err:
+        outbox.put(("failed again", str(err)))
 
 
 @contextlib.contextmanager
@@ -126,6 +133,9 @@ def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
         what, value = outbox.get(timeout=4 * TIMEOUT_S + 30)  # the watchdog would have acted by now
         assert (what, value) == ("alive", 4.0)
         assert producer.is_alive()
+        os.kill(consumer.pid, signal.SIGCONT)  # its session ends (deadline passed), its listener serves on
+        inbox.put("send again")
+        assert outbox.get(timeout=4 * TIMEOUT_S + 60) == ("sent again", 1)
 
 
 def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:

@@ -8,6 +8,8 @@ gives one process's greedy tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transfer_kit
@@ -15,6 +17,7 @@ from transfer_kit import caches_for, producer_caches_of, wrong_units
 
 from pdflow import Deployment, SamplingParams, compose
 from pdflow.graph import CONSUMER, PRODUCER, Code
+from pdflow.transfer import p2p
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
@@ -202,6 +205,63 @@ def test_a_lost_consumer_fails_the_send_instead_of_hanging(pairs_of):
         peer.send([0], [1])
     with pytest.raises(TransferError, match="broken"):
         peer.send([0], [1])
+
+
+def _session(listener: P2PListener, producer_rank: int):
+    return next(s for s in listener._sessions if s.producer_rank == producer_rank)
+
+
+@pytest.mark.parametrize("transfer", ["nccl", pytest.param("mooncake_tcp", marks=transfer_kit.needs_mooncake)])
+def test_a_broken_pair_pairs_again_and_the_next_request_lands(graph_of, transports, monkeypatch, transfer):
+    """The consumer's end of one pair goes away while its rank lives (its session closed, as
+    after a stall past its deadline): the producer's next request fails and breaks the pair,
+    a request inside the wait is refused at once, and after it the pair pairs again on the
+    next request, which lands exactly, as do every pair's requests after it (over Gloo, and
+    through Mooncake staging, where the old session's staging registration is dropped).
+    Before, every later request over that pair failed until the producer rank restarted."""
+    monkeypatch.setattr(p2p, "REPAIR_WAIT_S", (0.3, 1.0))
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none", "transfer.timeout_s=2",
+                     f"transfer={transfer}")
+    pairs = Pairs(graph, make_transport=transports if transfer != "nccl" else None)
+    try:
+        (p, c), peer = next(iter(pairs.peers.items()))
+        listener = pairs.listeners[c]
+        old = _session(listener, p)
+        old.conn.close()
+        with pytest.raises(TransferError):
+            peer.send([0], [1])
+        assert peer.broken
+        with pytest.raises(TransferError, match="pairing again in"):
+            peer.send([0], [1])
+        time.sleep(0.35)
+        pairs.move()  # this pair pairs again on its first request; every pair lands both requests
+        assert peer.repairs == 1 and not peer.broken
+        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+        assert sum(s.producer_rank == p for s in listener._sessions) == 1  # the old session is gone
+        if transfer != "nccl":  # its staging's registration went with it; the new one's is there
+            assert old.host_base is None and _session(listener, p).host_base in listener.transport._registered
+    finally:
+        pairs.close()
+
+
+def test_a_pair_whose_consumer_is_gone_retries_ever_less_often(pairs_of, monkeypatch):
+    """The consumer rank is gone for good: each attempt to pair again fails (and says why),
+    and the wait before the next doubles, so the requests in between are refused at once."""
+    monkeypatch.setattr(p2p, "REPAIR_WAIT_S", (0.2, 10.0))
+    pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.timeout_s=2")
+    (p, c), peer = next(iter(pairs.peers.items()))
+    pairs.listeners[c].close()
+    with pytest.raises(TransferError):
+        peer.send([0], [1])
+    waits = []
+    for _ in range(2):
+        time.sleep(peer._repair_at - time.monotonic() + 0.05)
+        with pytest.raises(TransferError, match="pairing again failed: consumer rank at .* cannot be reached"):
+            peer.send([0], [1])
+        waits.append(peer._repair_wait)
+        with pytest.raises(TransferError, match="pairing again in"):
+            peer.send([0], [1])
+    assert waits == [0.4, 0.8] and peer.repairs == 0
 
 
 def test_a_producer_that_stalls_mid_request_is_dropped_and_the_consumer_serves_on(pairs_of):

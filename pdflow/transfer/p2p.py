@@ -34,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -70,6 +72,9 @@ from pdflow.transfer.run_table import RunTable, direct_rows
 
 __all__ = ["P2PListener", "P2PPeer", "chunks", "device_identity"]
 
+# A broken pair's wait before it pairs again, doubling after each failed attempt (seconds).
+REPAIR_WAIT_S = (1.0, 60.0)
+
 
 class P2PPeer:
     """A producer rank's pair with one consumer rank."""
@@ -78,52 +83,70 @@ class P2PPeer:
                  dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec,
                  transport: MooncakeTransport | None = None):
         self.plan, self.caches, self.dst_block_bytes = plan, caches, dst_block_bytes
+        self.address, self.consumer_device, self.producer_rank = address, consumer_device, producer_rank
         self.source_blocks = min(caches[s].shape[0] for g in plan.groups for s, _ in g.units)
         self.device = next(iter(caches.values())).device
         self.transport = transport
         self.mover = choose_mover(device_identity(self.device), consumer_device,
                                   "mooncake" if transport is not None else "nccl", spec.peer_writes)
-        host, port = address.rsplit(":", 1)
-        self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=spec.timeout_s))
         self.broken = ""
-        self.ramp, self.copy_programs = spec.chunk_ramp, spec.copy_programs
+        self.ramp, self.copy_programs, self.timeout_s = spec.chunk_ramp, spec.copy_programs, spec.timeout_s
+        self.repairs = 0  # times this pair was broken and paired again
+        self._repair_wait, self._repair_at = REPAIR_WAIT_S[0], 0.0
         self._chunks = request_chunks(plan)
         self._lock = threading.Lock()
-        sources = sorted({s for g in plan.groups for s, _ in g.units})
-        self.conn.send(P2PHello(producer_rank=producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
+        # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
+        self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
+        self.host_base = None  # mooncake: this side's registered host staging
+        self._pair()
+
+    def _pair(self) -> None:
+        """Connect to the consumer rank and set the pair up (its hello, its answer, the way
+        bytes move); a refusal or a consumer that does not answer is a ``TransferError``."""
+        host, port = self.address.rsplit(":", 1)
+        try:
+            self.conn = FramedSocket(socket.create_connection((host, int(port)), timeout=self.timeout_s))
+        except OSError as err:
+            raise TransferError(f"consumer rank at {self.address} cannot be reached: {err}") from err
+        sources = sorted({s for g in self.plan.groups for s, _ in g.units})
+        self.conn.send(P2PHello(producer_rank=self.producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
         try:
             ready = self.conn.recv()
-        except ConnectionError as err:
+        except (ConnectionError, OSError) as err:
             self.conn.close()
-            raise TransferError(f"consumer rank at {address} closed the pairing connection before answering "
+            raise TransferError(f"consumer rank at {self.address} closed the pairing connection before answering "
                                 f"({err}): its process may have died (see its log)") from err
         if not isinstance(ready, P2PReady) or ready.refused:
             self.conn.close()
             why = ready.refused if isinstance(ready, P2PReady) else f"answered {type(ready).__name__}"
-            raise TransferError(f"consumer at {address} refused the pair: {why}")
+            raise TransferError(f"consumer at {self.address} refused the pair: {why}")
         self.buffer_bytes = ready.buffer_bytes
-        self.dst_table = None
+        self.dst_table, self.group = None, None
         if self.mover == "peer":  # the consumer's caches, mapped here; written by one kernel per request
-            enable_peer_access(self.device, local_device(consumer_device))
+            enable_peer_access(self.device, local_device(self.consumer_device))
             self._mapped: dict[tuple, torch.Tensor] = {}
             # Opened in this GPU's context (CUDA IPC then maps the memory for this device's
             # kernels, over NVLink when it lives on another GPU).
             self.dst_caches = {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()}
-            self.dst_table = RunTable(plan, self.dst_caches, "dst", device=self.device)
-            self.dst_pool = pool_blocks(plan, self.dst_caches)
-            self.buf, self.group = None, None
+            self.dst_table = RunTable(self.plan, self.dst_caches, "dst", device=self.device)
+            self.dst_pool = pool_blocks(self.plan, self.dst_caches)
+            self.buf = None
         elif self.mover == "ipc":
-            self.buf, self.group = map_ipc(ready.ipc, self.device), None
+            self.buf = map_ipc(ready.ipc, self.device)
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
             self.host = host_buffer(self.buffer_bytes, self.device)
-            self.host_base = transport.register(self.host)
+            self.host_base = self.transport.register(self.host)
             self.remote = (ready.session, ready.base)
-            self.group = None
             self.buf = self.host if self.device.type != "cuda" else torch.empty(
                 self.buffer_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-            self.group = pair_group(self.mover, ready.store_path, 1, spec.timeout_s, self.buf[:self.buffer_bytes // 2])
+            try:
+                self.group = pair_group(self.mover, ready.store_path, 1, self.timeout_s,
+                                        self.buf[:self.buffer_bytes // 2])
+            except TransferError:
+                self.conn.close()
+                raise
             half = self.buffer_bytes // 2
             self.halves = [self.buf[:half], self.buf[half:2 * half]]  # ``_stream``'s two slots
             # The consumer's verdict on each request (``_verdict``), and its host copy.
@@ -132,17 +155,15 @@ class P2PPeer:
                 1, dtype=torch.int64, pin_memory=True)
             self.verdict_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.deadline = GroupDeadline(self.group)
-        self.timeout_s = spec.timeout_s
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
-        # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
-        self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
-        in its caches. A failure leaves the pair broken (the next send fails at once)."""
+        in its caches. A failure of the pair itself (a dead or stalled peer, a collective
+        error) leaves it broken until it pairs again (``_pair_again``)."""
         with self._lock:
             if self.broken:
-                raise TransferError(f"the pair is broken: {self.broken}")
+                self._pair_again()
             try:
                 self._send(src_blocks, dst_blocks, request_id)
             except TransferError:
@@ -150,7 +171,30 @@ class P2PPeer:
             except Exception as err:  # a dead peer, a timeout, a collective error
                 self.broken = f"{type(err).__name__}: {err}"
                 abort_group(self.group)
+                self._repair_at = time.monotonic() + self._repair_wait
                 raise TransferError(self.broken) from err
+
+    def _pair_again(self) -> None:
+        """A broken pair pairs again, on a request's path, once its wait is over (the first
+        ``REPAIR_WAIT_S[0]`` after it broke, doubling after each failed attempt up to
+        ``REPAIR_WAIT_S[1]``): a consumer rank that stalled for a while serves again
+        without restarting this rank, and one that is gone costs each request in between
+        nothing but a refusal. Raises ``TransferError`` when the pair stays broken."""
+        now = time.monotonic()
+        if now < self._repair_at:
+            raise TransferError(f"the pair is broken: {self.broken} (pairing again in "
+                                f"{self._repair_at - now:.1f} s)")
+        self._release()  # the consumer's end sees its connection close and ends that session
+        try:
+            self._pair()
+        except Exception as err:  # refused, unreachable, or a mapping or registration that failed
+            self._repair_wait = min(2 * self._repair_wait, REPAIR_WAIT_S[1])
+            self._repair_at = time.monotonic() + self._repair_wait
+            raise TransferError(f"the pair is broken: {self.broken}; pairing again failed: {err}") from err
+        print(f"p2p: producer rank {self.producer_rank} paired again with the consumer rank at {self.address} "
+              f"(the pair broke: {self.broken})", file=sys.stderr, flush=True)
+        self.broken, self._repair_wait = "", REPAIR_WAIT_S[0]
+        self.repairs += 1
 
     def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
         limit = self.source_blocks
@@ -245,7 +289,10 @@ class P2PPeer:
         if self.buf is not self.host:
             self.host[:nbytes].copy_(self.buf[:nbytes])  # device to host, synchronous
         session, base = self.remote
-        self.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
+        try:
+            self.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
+        except TransferError as err:  # the consumer waits for this chunk's note: the pair's protocol is lost
+            raise ConnectionError(f"the Mooncake write into the consumer's staging failed: {err}") from err
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int],
               ids: torch.Tensor | None) -> None:
@@ -272,7 +319,15 @@ class P2PPeer:
             raise TransferError(f"consumer failed the request: {ack.error}")
 
     def close(self) -> None:
+        self._release()  # not under the lock: a send in flight fails at once on the closed socket
+
+    def _release(self) -> None:
+        """Let go of the pair's connection and everything made for it (a closed or a
+        re-paired pair)."""
         self.deadline.close()
         self.conn.close()
-        self.buf = None
+        if self.host_base is not None:
+            self.transport.unregister(self.host_base)
+            self.host_base = None
+        self.buf = self.group = None
         self.dst_caches, self._mapped, self.dst_table = {}, {}, None

@@ -4,6 +4,7 @@ per-request receive and scatter of each mover."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -90,12 +91,17 @@ class P2PListener:
                 sock, _ = self._server.accept()
             except OSError:
                 return
+            if self._closed.is_set():  # closed while it waited: pair nothing more
+                sock.close()
+                return
             session = _Session(self, FramedSocket(sock))
             self._sessions.append(session)
             threading.Thread(target=session.serve, name=f"p2p-recv-{self.rank}", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(OSError):  # wakes the accepting thread (closing alone may not)
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         for session in self._sessions:
             session.conn.close()
@@ -107,8 +113,10 @@ class _Session:
 
     def __init__(self, listener: P2PListener, conn: FramedSocket):
         self.listener, self.conn = listener, conn
+        self.producer_rank: int | None = None  # once its hello came
         self.table: RunTable | None = None
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
+        self.host_base: int | None = None  # and where the listener's engine registered it
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
         self.deadline = GroupDeadline(None)  # the pair's group's, once it has one
@@ -116,6 +124,17 @@ class _Session:
         self.verdicts: list[torch.Tensor] = []  # and what it says of each request: ok (0), failed (1)
 
     def serve(self) -> None:
+        try:
+            self._serve()
+        finally:  # a producer rank that pairs again opens a new session: the listener keeps live ones
+            with contextlib.suppress(ValueError):
+                self.listener._sessions.remove(self)
+            if self.host_base is not None:  # its staging, registered for this session only
+                with contextlib.suppress(Exception):  # the engine may be closed already (shutdown)
+                    self.listener.transport.unregister(self.host_base)
+                self.host_base = None
+
+    def _serve(self) -> None:
         try:
             setup = self._pair()
         except BaseException as err:  # said here: the producer only sees the connection close
@@ -157,6 +176,7 @@ class _Session:
             print(f"p2p: consumer rank {lis.rank} closed a connection that opened with {type(hello).__name__}, "
                   "not a pairing hello", file=sys.stderr, flush=True)
             return None
+        self.producer_rank = hello.producer_rank
         try:
             ready, setup = self._set_up(hello)
         except Exception as err:  # the socket is still good: the producer hears why
@@ -202,7 +222,7 @@ class _Session:
         group = None
         if hello.mover == "mooncake":  # bytes land in host staging; scattered from there (or its copy)
             self.host = host_buffer(buffer_bytes, lis.device)
-            base = lis.transport.register(self.host)
+            base = self.host_base = lis.transport.register(self.host)
             buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
                                                                           device=lis.device)
             ready = P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base)
