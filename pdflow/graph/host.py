@@ -20,10 +20,13 @@ RDMA_SYSFS = Path("/sys/class/infiniband")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostFacts:
-    """What this host can run on: CUDA devices and RDMA device names."""
+    """What this host can run on: CUDA devices, RDMA device names, and whether the
+    installed Mooncake can read GPU memory (its CUDA build; the non-CUDA one moves host
+    memory only)."""
 
     cuda_devices: int
     rdma_devices: tuple[str, ...]
+    mooncake_reads_gpu: bool = False
 
     @classmethod
     def probe(cls, spec) -> HostFacts:
@@ -34,7 +37,7 @@ class HostFacts:
 
             cuda = torch.cuda.device_count()
         rdma = tuple(sorted(p.name for p in RDMA_SYSFS.iterdir())) if RDMA_SYSFS.is_dir() else ()
-        return cls(cuda_devices=cuda, rdma_devices=rdma)
+        return cls(cuda_devices=cuda, rdma_devices=rdma, mooncake_reads_gpu=distribution_installed(MOONCAKE_CUDA_BUILD))
 
 
 def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
@@ -69,4 +72,26 @@ def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
                                f"devices are: {have}.",
                                fix="use transfer=mooncake_tcp, or set transfer.device to a device listed in "
                                f"{RDMA_SYSFS}."))
+    devices = {spec.prefill.device, spec.decode.device}
+    if (spec.mode == "pd" and spec.transfer.backend == "mooncake" and not spec.transfer.staging
+            and "cuda" in devices and not host.mooncake_reads_gpu):
+        out.append(Refusal(code=Code.MOONCAKE_HOST_ONLY,
+                           message="transfer.staging=false has Mooncake write every run straight from the GPU "
+                           f"caches, but the Mooncake installed here is not its CUDA build ({MOONCAKE_CUDA_BUILD}): "
+                           "it moves host memory only.",
+                           fix="set transfer.staging=true (runs packed on the GPU and staged through pinned host "
+                           f"memory), use transfer=nccl between GPUs of one host, or install {MOONCAKE_CUDA_BUILD}."))
     return out
+
+
+MOONCAKE_CUDA_BUILD = "mooncake-transfer-engine"  # the non-CUDA build: mooncake-transfer-engine-non-cuda
+
+
+def distribution_installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

@@ -33,6 +33,7 @@ class Code(str, Enum):
     # Raised only against the host a command launches on (pdflow.graph.host).
     DEVICE_UNAVAILABLE = "DEVICE_UNAVAILABLE"
     RDMA_UNAVAILABLE = "RDMA_UNAVAILABLE"
+    MOONCAKE_HOST_ONLY = "MOONCAKE_HOST_ONLY"
     # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
     PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
     PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"

@@ -145,8 +145,14 @@ class KVLink:
 
     def export(self, exports: list[KVExport]) -> dict[str, str]:
         """Write every request's blocks to every paired consumer rank; returns the
-        requests that failed and why (the others landed)."""
+        requests that failed and why (the others landed). Called right after the forward
+        that wrote their KV is enqueued: the pairs' copies run in stream order behind it
+        (their host steps overlap the forward), but a direct Mooncake write is read by the
+        engine outside any stream, so the KV must have landed before one starts."""
         failed = {}
+        device = next(iter(self.caches.values())).device if self.caches else None
+        if exports and self.peers and device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         for job in exports:
             try:
                 inject_fault("export", self.role, self.rank)

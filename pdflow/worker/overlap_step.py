@@ -57,9 +57,7 @@ def launch(stage: Stage, step: StepInput, samples: torch.Tensor | None) -> tuple
     ids, positions, meta = stage.runner.tensors(step, samples)
     hidden, taps, graphed = stage.forward(ids, positions, meta)
     failed = {}
-    if step.exports:  # the KV leaves this device's memory: its writes must have landed
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    if step.exports:  # KVLink.export orders the KV's writes before anything reads them
         failed = stage.export(step.exports)
     logits = stage.runner.logits(step, hidden)
     if logits is None:
