@@ -138,6 +138,22 @@ def test_a_stalled_consumer_fails_the_send_and_the_producer_lives_on():
         assert outbox.get(timeout=4 * TIMEOUT_S + 60) == ("sent again", 1)
 
 
+def test_a_consumer_that_dies_mid_request_fails_the_send_without_waiting_out_the_deadline():
+    """The consumer rank's process dies while the producer's sends wait for it: its control
+    connection closes, and the producer's deadline watcher aborts the pair's group then,
+    not at ``transfer.timeout_s`` (the failure says which)."""
+    with _ranks(_producer) as (consumer, producer, inbox, outbox):
+        assert outbox.get(timeout=120) == ("paired", "nccl")
+        os.kill(consumer.pid, signal.SIGSTOP)  # the sends are issued and wait
+        inbox.put("send")
+        time.sleep(1)
+        os.kill(consumer.pid, signal.SIGKILL)
+        what, why = outbox.get(timeout=4 * TIMEOUT_S + 30)
+        assert what == "failed" and "closed the pair's connection" in why, why
+        what, value = outbox.get(timeout=4 * TIMEOUT_S + 30)
+        assert (what, value) == ("alive", 4.0)
+
+
 def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:
     """Pairs, announces a request and sends none of its chunks (a producer that hangs or
     dies mid-request); told to, pairs again and sends a whole request."""

@@ -21,7 +21,7 @@ from pdflow.transfer import p2p
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
-from pdflow.transfer.p2p_parts import pair_group
+from pdflow.transfer.p2p_parts import pair_group, peer_closed
 from pdflow.transfer.packing import packed_nbytes
 from pdflow.worker.kv_link import KVLink
 
@@ -262,6 +262,27 @@ def test_a_pair_whose_consumer_is_gone_retries_ever_less_often(pairs_of, monkeyp
         with pytest.raises(TransferError, match="pairing again in"):
             peer.send([0], [1])
     assert waits == [0.4, 0.8] and peer.repairs == 0
+
+
+def test_a_closed_control_connection_is_told_from_a_waiting_message():
+    """What lets an NCCL pair's deadline watcher abort as soon as the other end's process
+    dies (``GroupDeadline``): an end of stream with nothing before it is a close; a message
+    waiting (an error's text) is not, and is left for the reader."""
+    import socket
+
+    a, b = socket.socketpair()
+    try:
+        assert not peer_closed(a)
+        b.sendall(b"x")
+        assert not peer_closed(a) and a.recv(1) == b"x"  # peeked, not read
+        b.sendall(b"y")
+        b.close()
+        assert not peer_closed(a)  # the message first
+        assert a.recv(1) == b"y"
+        assert peer_closed(a)
+    finally:
+        a.close()
+    assert peer_closed(a)  # closed here
 
 
 def test_a_producer_that_stalls_mid_request_is_dropped_and_the_consumer_serves_on(pairs_of):

@@ -154,7 +154,7 @@ class P2PPeer:
             self.verdict_host = self.verdict if self.device.type != "cuda" else torch.zeros(
                 1, dtype=torch.int64, pin_memory=True)
             self.verdict_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.deadline = GroupDeadline(self.group)
+        self.deadline = GroupDeadline(self.group, self.conn.sock)
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
@@ -245,8 +245,9 @@ class P2PPeer:
                 phases.mark("send")
             failed = self._verdict()
         if aborted():
-            raise ConnectionError(f"request {request_id!r}: the consumer's verdict did not come within "
-                                  f"{self.timeout_s} s; the pair's group was aborted")
+            why = ("the consumer closed the pair's connection mid-request" if self.deadline.peer_left
+                   else f"the consumer's verdict did not come within {self.timeout_s} s")
+            raise ConnectionError(f"request {request_id!r}: {why}; the pair's group was aborted")
         self._sending = [None, None]  # the verdict came after every send of the request ended
         phases.mark("verdict")
         if failed:

@@ -146,7 +146,7 @@ class _Session:
             raise
         try:
             if setup is not None:
-                self.deadline = GroupDeadline(setup[2])
+                self.deadline = GroupDeadline(setup[2], self.conn.sock)
                 device = self.listener.device
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
@@ -345,8 +345,9 @@ class _Session:
             if aborted():
                 if not error:
                     self.listener.landed -= 1  # counted above; the verdict may never have left
-                raise ConnectionError(f"request {request.request_id!r}: the producer's chunks did not all come "
-                                      f"within {timeout_s} s; the pair's group was aborted")
+                why = ("the producer closed the pair's connection mid-request" if self.deadline.peer_left
+                       else f"the producer's chunks did not all come within {timeout_s} s")
+                raise ConnectionError(f"request {request.request_id!r}: {why}; the pair's group was aborted")
             phases.mark("synced")
             if error:
                 self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))

@@ -7,6 +7,8 @@ import contextlib
 import datetime
 import functools
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -217,18 +219,20 @@ def _is_nccl(group: dist.ProcessGroup | None) -> bool:
 
 
 class GroupDeadline:
-    """Aborts a pair's NCCL group when a request's deadline passes while it is armed. A send
-    or receive whose peer died or stalled waits on the GPU for good, and so would the host:
-    in a device synchronize, or in NCCL's own enqueue once its work queue is full of ops
-    that cannot start. Aborting the group ends both (torch then raises), where torch's
-    watchdog would end the whole process. One watching thread per pair, armed per request
-    by setting an attribute: nothing starts on the request's path. Gloo's waits end with
-    its own timeout: nothing to watch."""
+    """Aborts a pair's NCCL group when a request's deadline passes while it is armed, or
+    sooner when the other end closes the pair's control connection meanwhile (its process
+    died, or it gave the request up). A send or receive whose peer died or stalled waits on
+    the GPU for good, and so would the host: in a device synchronize, or in NCCL's own
+    enqueue once its work queue is full of ops that cannot start. Aborting the group ends
+    both (torch then raises), where torch's watchdog would end the whole process. One
+    watching thread per pair, armed per request by setting an attribute: nothing starts on
+    the request's path. Gloo's waits end with its own timeout (or its broken connection to
+    a dead peer): nothing to watch."""
 
     POLL_S = 0.05
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group, self.fired = group, False
+    def __init__(self, group: dist.ProcessGroup | None, conn: socket.socket | None = None):
+        self.group, self.conn, self.fired, self.peer_left = group, conn, False, False
         self._until: float | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -240,7 +244,7 @@ class GroupDeadline:
         """Abort the group if the block is still running after ``seconds``; yields a
         callable saying whether it did."""
         with self._lock:
-            self.fired, self._until = False, time.monotonic() + seconds
+            self.fired, self.peer_left, self._until = False, False, time.monotonic() + seconds
         try:
             yield lambda: self.fired
         finally:
@@ -253,11 +257,26 @@ class GroupDeadline:
     def _watch(self) -> None:
         while not self._closed.wait(self.POLL_S):
             with self._lock:
-                due = self._until is not None and time.monotonic() >= self._until
-                if due:
-                    self.fired, self._until = True, None
-            if due:
+                armed = self._until is not None
+                due = armed and time.monotonic() >= self._until
+                left = armed and not due and self.conn is not None and peer_closed(self.conn)
+                if due or left:
+                    self.fired, self.peer_left, self._until = True, left, None
+            if due or left:
                 abort_group(self.group)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end of ``sock`` has closed it: an end of stream waiting, nothing
+    before it (a message waiting, such as an error's text, is not a close). Reads nothing."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):  # reset by the peer, or closed here
+        return True
 
 
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
