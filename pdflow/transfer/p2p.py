@@ -109,8 +109,9 @@ class P2PPeer:
         except OSError as err:
             raise TransferError(f"consumer rank at {self.address} cannot be reached: {err}") from err
         sources = sorted({s for g in self.plan.groups for s, _ in g.units})
-        self.conn.send(P2PHello(producer_rank=self.producer_rank, units=sources, mover=self.mover, pid=os.getpid()))
         try:
+            self.conn.send(P2PHello(producer_rank=self.producer_rank, units=sources, mover=self.mover,
+                                    pid=os.getpid()))
             ready = self.conn.recv()
         except (ConnectionError, OSError) as err:
             self.conn.close()

@@ -103,7 +103,7 @@ class P2PListener:
         with contextlib.suppress(OSError):  # wakes the accepting thread (closing alone may not)
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
-        for session in self._sessions:
+        for session in list(self._sessions):  # sessions leave the list as they end
             session.conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
