@@ -100,7 +100,7 @@ def test_near_miss_is_accepted(graph_of, code):
 
 
 def test_every_code_has_a_case():
-    # pairing: test_transfer_pairing; host: test_conf_coverage
+    # pairing: test_transfer_pairing; host: test_graph_host, test_conf_coverage
     assert set(CASES) | {Code.REGION_TWO_TO_ONE} | PAIRING_ONLY | HOST_ONLY == set(Code)
 
 

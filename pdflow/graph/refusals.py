@@ -57,7 +57,7 @@ STRUCTURAL = frozenset(
 PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID, Code.PAIRING_PEER_FAILED})
 
 # Refusals that need the launching host's facts, never raised by validate().
-HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE})
+HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE, Code.MOONCAKE_HOST_ONLY})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
