@@ -417,3 +417,27 @@ def test_pd_over_p2p_equals_one_process():
     pd, drafted = tokens(["prefill=pp2", "decode=tp2"])
     assert pd == one
     assert sum(drafted) > 0
+
+
+@pytest.mark.slow
+def test_pd_from_an_overlap_scheduled_prefill_equals_one_process():
+    """A one-rank prefill with overlap scheduling forced on exports from inside its launched
+    step (``worker/overlap_step.py``, no synchronize before the export: the pairs order
+    their copies behind the forward); over Gloo pairs into a one-rank decode it gives one
+    process's greedy tokens and every block back."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (7, 64, 90)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    small = [*BASE, "drafter=none", "prefill=tp1", "decode=tp1", "prefill.num_kv_blocks=24",
+             "decode.num_kv_blocks=24", "prefill.max_num_batched_tokens=64", "decode.max_num_batched_tokens=64",
+             "transfer.staging_mib=1"]
+
+    def tokens(overrides, overlapped=False):
+        with Deployment(compose([*small, *overrides])) as d:
+            assert not overlapped or d.producer.executor.overlap
+            outs = d.generate(prompts, greedy)
+            assert all(o.error is None for o in outs), [o.error for o in outs]
+            assert all(e.num_free_kv_blocks == e.num_kv_blocks for e in (d.producer, d.consumer) if e is not None)
+            return [o.token_ids for o in outs]
+
+    assert tokens(["prefill.overlap_scheduling=true"], overlapped=True) == tokens(["mode=monolithic"])
