@@ -11,7 +11,8 @@ will move (``p2p_parts.choose_mover``):
 - ``nccl``: two GPUs of one host. NCCL send/recv in a two-rank process group made for the
   pair (a ``FileStore`` rendezvous).
 - ``ipc``: one GPU shared by both ranks (NCCL refuses two ranks on one device). The
-  consumer's receive buffer is mapped into the producer through CUDA IPC.
+  consumer's receive buffer is mapped into the producer through CUDA IPC (or, both ranks
+  in one process, handed over as it is: ``p2p_parts.IN_PROCESS``).
 - ``peer`` (``transfer.peer_writes``, GPUs of one host that can reach each other's memory,
   or one GPU): the consumer's caches are mapped into the producer through CUDA IPC and one
   ``copy_runs`` launch per request writes every cut run from the producer's caches into
@@ -49,6 +50,7 @@ from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_listener import P2PListener  # the consumer's end, re-exported
 from pdflow.transfer.p2p_messages import FramedSocket, P2PAck, P2PChunk, P2PHello, P2PReady, P2PRequest
 from pdflow.transfer.p2p_parts import (
+    IN_PROCESS,
     GroupDeadline,
     Phases,
     abort_group,
@@ -128,12 +130,13 @@ class P2PPeer:
             self._mapped: dict[tuple, torch.Tensor] = {}
             # Opened in this GPU's context (CUDA IPC then maps the memory for this device's
             # kernels, over NVLink when it lives on another GPU).
-            self.dst_caches = {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()}
+            self.dst_caches = (IN_PROCESS[ready.in_process] if ready.in_process else
+                               {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()})
             self.dst_table = RunTable(self.plan, self.dst_caches, "dst", device=self.device)
             self.dst_pool = pool_blocks(self.plan, self.dst_caches)
             self.buf = None
         elif self.mover == "ipc":
-            self.buf = map_ipc(ready.ipc, self.device)
+            self.buf = IN_PROCESS[ready.in_process] if ready.in_process else map_ipc(ready.ipc, self.device)
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
             self.host = host_buffer(self.buffer_bytes, self.device)
             self.host_base = self.transport.register(self.host)

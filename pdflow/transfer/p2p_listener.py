@@ -32,9 +32,11 @@ from pdflow.transfer.p2p_messages import (
     PeerClosed,
 )
 from pdflow.transfer.p2p_parts import (
+    IN_PROCESS,
     GroupDeadline,
     Phases,
     abort_group,
+    as_bytes_by_block,
     bad_blocks,
     device_identity,
     host_buffer,
@@ -42,6 +44,7 @@ from pdflow.transfer.p2p_parts import (
     pool_blocks,
     request_chunks,
     share_cache,
+    share_in_process,
     share_ipc,
     side_stream,
     size_of,
@@ -117,6 +120,7 @@ class _Session:
         self.table: RunTable | None = None
         self.host: torch.Tensor | None = None  # mooncake: the registered host staging
         self.host_base: int | None = None  # and where the listener's engine registered it
+        self.in_process = ""  # ipc, peer: its key in the in-process table, when one process holds both ranks
         self.chunks = None  # the pair's request_chunks, once it is set up
         self.pool = 0  # the consumer blocks the pair may write
         self.deadline = GroupDeadline(None)  # the pair's group's, once it has one
@@ -129,6 +133,7 @@ class _Session:
         finally:  # a producer rank that pairs again opens a new session: the listener keeps live ones
             with contextlib.suppress(ValueError):
                 self.listener._sessions.remove(self)
+            IN_PROCESS.pop(self.in_process, None)
             if self.host_base is not None:  # its staging, registered for this session only
                 with contextlib.suppress(Exception):  # the engine may be closed already (shutdown)
                     self.listener.transport.unregister(self.host_base)
@@ -206,10 +211,6 @@ class _Session:
             return f"consumer rank {lis.rank} has no caches for {missing}", plan
         if hello.mover not in expected:
             return f"mover {hello.mover!r} cannot reach caches on {lis.identity}", plan
-        if hello.mover == "peer" and hello.pid == os.getpid():
-            return ("transfer.peer_writes maps the consumer's caches through CUDA IPC, which needs the "
-                    "producer rank in another process; run the instances' ranks as processes or use "
-                    "transfer=nccl"), plan
         return "", plan
 
     def _set_up(self, hello: P2PHello):
@@ -227,11 +228,19 @@ class _Session:
                                                                           device=lis.device)
             ready = P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base)
         elif hello.mover == "peer":  # the producer writes the caches themselves: no buffer
-            dst = {d for g in plan.groups for _, d in g.units}
-            buf, ready = None, P2PReady(caches={n: share_cache(lis.caches[n]) for n in sorted(dst)})
+            dst = sorted({d for g in plan.groups for _, d in g.units})
+            if hello.pid == os.getpid():  # one process: the caches themselves
+                self.in_process = share_in_process({n: as_bytes_by_block(lis.caches[n]) for n in dst})
+                buf, ready = None, P2PReady(in_process=self.in_process)
+            else:
+                buf, ready = None, P2PReady(caches={n: share_cache(lis.caches[n]) for n in dst})
         elif hello.mover == "ipc":
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
-            ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf.untyped_storage()))
+            if hello.pid == os.getpid():  # one process: the buffer itself
+                self.in_process = share_in_process(buf)
+                ready = P2PReady(buffer_bytes=buffer_bytes, in_process=self.in_process)
+            else:
+                ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf.untyped_storage()))
         else:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
             half = buffer_bytes // 2  # the pipeline's two slots, and its verdicts: ok (0), failed (1)

@@ -66,6 +66,9 @@ class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
     caches: dict[str, CacheMapping] = {}
     session: str = ""  # mooncake: the consumer's transfer engine and its registered buffer
     base: NonNegative = 0
+    # ipc, peer with both ranks in one process: the buffer or caches themselves, under this
+    # key of ``p2p_parts``' in-process table (CUDA IPC cannot open its own process's memory).
+    in_process: str = ""
     refused: str = ""
 
 

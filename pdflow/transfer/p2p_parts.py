@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -277,6 +278,24 @@ def peer_closed(sock: socket.socket) -> bool:
         return False
     except (OSError, ValueError):  # reset by the peer, or closed here
         return True
+
+
+# What a consumer rank hands a producer rank of its own process (``ipc``: its receive
+# buffer; ``peer``: its caches as bytes [blocks, block bytes]) in place of CUDA IPC
+# handles: opening a handle in the process that made it fails ("invalid device context"),
+# and the memory is already here. By key; the consumer's session removes its entry.
+IN_PROCESS: dict[str, object] = {}
+
+
+def share_in_process(value: object) -> str:
+    key = uuid.uuid4().hex
+    IN_PROCESS[key] = value
+    return key
+
+
+def as_bytes_by_block(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as bytes [blocks, block bytes], as ``map_cache`` gives a mapped one."""
+    return cache.view(-1).view(torch.uint8).view(cache.shape[0], -1)
 
 
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:

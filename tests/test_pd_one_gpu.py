@@ -1,0 +1,48 @@
+"""P/D on one GPU, both one-rank instances run by the owner process: over ``transfer=nccl``
+(the ``ipc`` mover: the consumer's receive buffer handed over in-process, since CUDA IPC
+cannot open its own process's memory) and ``transfer=cuda_ipc`` (the ``peer`` mover: its
+caches handed over the same way). The prefill runs overlap scheduling (auto: a one-rank
+CUDA side without a drafter), so each export is issued from its launched step with no
+synchronize before it: the copies must still read the KV the forward wrote. Greedy tokens
+equal a monolithic instance's on the same GPU, every block back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflow import Deployment, SamplingParams, compose
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+BASE = ["prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
+        "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
+        "decode.device_offset=0", "prefill=tp1", "decode=tp1", "drafter=none"]
+
+
+def _run(overrides, *, pd: bool):
+    with Deployment(compose([*BASE, *overrides])) as d:
+        if pd:
+            assert d.producer.executor.overlap
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (5, 70, 300, 1000)]
+        outs = d.generate(prompts, GREEDY)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        pools = [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer) if e is not None]
+        assert all(free == total for free, total in pools), pools
+        return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def monolithic():
+    return _run(["transfer=nccl", "mode=monolithic"], pd=False)
+
+
+@pytest.mark.parametrize("transfer", ["nccl", "cuda_ipc"])
+def test_pd_on_one_gpu_in_one_process_equals_monolithic(monolithic, transfer):
+    assert _run([f"transfer={transfer}"], pd=True) == monolithic
