@@ -4,7 +4,8 @@ cannot open its own process's memory) and ``transfer=cuda_ipc`` (the ``peer`` mo
 caches handed over the same way). The prefill runs overlap scheduling (auto: a one-rank
 CUDA side without a drafter), so each export is issued from its launched step with no
 synchronize before it: the copies must still read the KV the forward wrote. Greedy tokens
-equal a monolithic instance's on the same GPU, every block back."""
+equal a monolithic instance's on the same GPU, every block back; with the DSpark drafter
+too (its context K/V in the same pairs), drafts accepted."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ pytestmark = [
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 BASE = ["prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
         "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
-        "decode.device_offset=0", "prefill=tp1", "decode=tp1", "drafter=none"]
+        "decode.device_offset=0", "prefill=tp1", "decode=tp1"]
 
 
 def _run(overrides, *, pd: bool):
     with Deployment(compose([*BASE, *overrides])) as d:
-        if pd:
+        if pd and "drafter=dspark" not in overrides:
             assert d.producer.executor.overlap
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (5, 70, 300, 1000)]
@@ -35,14 +36,23 @@ def _run(overrides, *, pd: bool):
         assert all(o.error is None for o in outs), [o.error for o in outs]
         pools = [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer) if e is not None]
         assert all(free == total for free, total in pools), pools
-        return [o.token_ids for o in outs]
+        return [o.token_ids for o in outs], sum(o.num_accepted for o in outs)
 
 
 @pytest.fixture(scope="module")
 def monolithic():
-    return _run(["transfer=nccl", "mode=monolithic"], pd=False)
+    return _run(["transfer=nccl", "mode=monolithic", "drafter=none"], pd=False)[0]
 
 
 @pytest.mark.parametrize("transfer", ["nccl", "cuda_ipc"])
 def test_pd_on_one_gpu_in_one_process_equals_monolithic(monolithic, transfer):
-    assert _run([f"transfer={transfer}"], pd=True) == monolithic
+    assert _run([f"transfer={transfer}", "drafter=none"], pd=True)[0] == monolithic
+
+
+def test_pd_with_dspark_on_one_gpu_equals_monolithic_with_it():
+    """The drafter's context K/V rides the same in-process pair (the last stage reads its
+    drafts back before it exports: no overlap there)."""
+    dspark = ["drafter=dspark", "transfer=nccl"]
+    tokens, accepted = _run(dspark, pd=True)
+    assert tokens == _run([*dspark, "mode=monolithic"], pd=False)[0]
+    assert accepted > 0
