@@ -130,13 +130,13 @@ class P2PPeer:
             self._mapped: dict[tuple, torch.Tensor] = {}
             # Opened in this GPU's context (CUDA IPC then maps the memory for this device's
             # kernels, over NVLink when it lives on another GPU).
-            self.dst_caches = (IN_PROCESS[ready.in_process] if ready.in_process else
+            self.dst_caches = (self._in_process(ready.in_process) if ready.in_process else
                                {n: map_cache(m, self.device, self._mapped) for n, m in ready.caches.items()})
             self.dst_table = RunTable(self.plan, self.dst_caches, "dst", device=self.device)
             self.dst_pool = pool_blocks(self.plan, self.dst_caches)
             self.buf = None
         elif self.mover == "ipc":
-            self.buf = IN_PROCESS[ready.in_process] if ready.in_process else map_ipc(ready.ipc, self.device)
+            self.buf = self._in_process(ready.in_process) if ready.in_process else map_ipc(ready.ipc, self.device)
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
             self.host = host_buffer(self.buffer_bytes, self.device)
             self.host_base = self.transport.register(self.host)
@@ -160,6 +160,15 @@ class P2PPeer:
             self.verdict_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.deadline = GroupDeadline(self.group, self.conn.sock)
         self._sending: list = [None, None]  # the last send out of each half of ``buf``
+
+    def _in_process(self, key: str):
+        """What the consumer rank of this process handed over under ``key``."""
+        value = IN_PROCESS.get(key)
+        if value is None:
+            self.conn.close()
+            raise TransferError(f"consumer rank at {self.address} ended its session before this rank took its "
+                                "memory")
+        return value
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
         """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
