@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pd_gpu_kit import GPU_BASE, GREEDY, prompts, serve_greedy
 
-from pdflow import Deployment, SamplingParams, compose
+from pdflow import Deployment, compose
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,24 +19,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-BASE = ["prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
-        "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
-        "drafter=dspark"]
-
-
-def _prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (5, 70, 300, 1000)]
+BASE = [*GPU_BASE, "drafter=dspark"]
 
 
 def _run(overrides):
-    with Deployment(compose([*BASE, *overrides])) as d:
-        outs = d.generate(_prompts(), GREEDY)
-        assert all(o.error is None for o in outs), [o.error for o in outs]
-        pools = [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer) if e is not None]
-        assert all(free == total for free, total in pools), pools
-        return [o.token_ids for o in outs], sum(o.num_accepted for o in outs)
+    return serve_greedy([*BASE, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +56,11 @@ def test_pp4_to_tp4_co_located_over_nccl_equals_monolithic_tp4():
     """The reference deployment's layout on four GPUs: each decode rank pairs with three
     producer stages over NCCL (and its own GPU's stage over IPC), many requests in flight.
     Before pairs connected their communicators at pairing, every transfer here timed out."""
-    prompts = [p for p in _prompts() for _ in range(4)]
+    many = [p for p in prompts() for _ in range(4)]
 
     def run(overrides):
         with Deployment(compose([*BASE, *overrides, "decode.device_offset=0"])) as d:
-            outs = d.generate(prompts, GREEDY)
+            outs = d.generate(many, GREEDY)
             assert all(o.error is None for o in outs), [o.error for o in outs][:3]
             return [o.token_ids for o in outs], sum(o.num_accepted for o in outs)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pdflow import Deployment, SamplingParams, compose
+from pd_gpu_kit import GPU_BASE, serve_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,23 +19,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-BASE = ["prefill.device=cuda", "decode.device=cuda", "prefill.device_memory_gib=140",
-        "decode.device_memory_gib=140", "prefill.memory=0.05", "decode.memory=0.05", "prefill.device_offset=0",
-        "decode.device_offset=0", "prefill=tp1", "decode=tp1"]
+BASE = [*GPU_BASE, "decode.device_offset=0", "prefill=tp1", "decode=tp1"]
+
+
+def _overlapped(d) -> None:
+    assert d.producer.executor.overlap
 
 
 def _run(overrides, *, pd: bool):
-    with Deployment(compose([*BASE, *overrides])) as d:
-        if pd and "drafter=dspark" not in overrides:
-            assert d.producer.executor.overlap
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (5, 70, 300, 1000)]
-        outs = d.generate(prompts, GREEDY)
-        assert all(o.error is None for o in outs), [o.error for o in outs]
-        pools = [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer) if e is not None]
-        assert all(free == total for free, total in pools), pools
-        return [o.token_ids for o in outs], sum(o.num_accepted for o in outs)
+    check = _overlapped if pd and "drafter=dspark" not in overrides else None
+    return serve_greedy([*BASE, *overrides], check)
 
 
 @pytest.fixture(scope="module")
