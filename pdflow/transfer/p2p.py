@@ -97,7 +97,7 @@ class P2PPeer:
         self._repair_wait, self._repair_at = REPAIR_WAIT_S[0], 0.0
         self._chunks = request_chunks(plan)
         self._lock = threading.Lock()
-        # On a GPU one kernel packs a chunk from a table of runs; on CPU, torch index ops.
+        # On a GPU one copy_plan launch packs a chunk from the plan and the block ids; on CPU, torch index ops.
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
         self.host_base = None  # mooncake: this side's registered host staging
         self._pair()

@@ -259,11 +259,11 @@ class _Session:
         """A pipelined request's chunks (each fits one of ``slots``)."""
         return self.chunks(num_blocks, self.slots[0].numel(), self.listener.spec.chunk_ramp)
 
-    def _post_first(self, blocks: list[int], buf: torch.Tensor | None, group) -> dict:
+    def _post_first(self, blocks: list[int], group) -> dict:
         """The receive of a pipelined request's first chunk (both halves are free: the last
         request synchronized), posted before anything else on the request's path: the
         producer's first chunk cannot leave before it is posted."""
-        if group is None or buf is None:
+        if group is None:
             return {}
         parts = self._parts(len(blocks))
         return {0: group.recv([self.slots[0][:size_of(parts[0])]], 1, 0)} if parts else {}
@@ -275,7 +275,7 @@ class _Session:
             raise ConnectionError(f"expected a request, got {type(request).__name__}")
         phases = Phases("recv", self.listener.device)  # from the request's arrival
         blocks = request.dst_blocks
-        pending = self._post_first(blocks, buf, group)  # first: the producer's first chunk waits on it
+        pending = self._post_first(blocks, group)  # first: the producer's first chunk waits on it
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
         error = bad_blocks(blocks, self.pool)
         if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
@@ -286,86 +286,93 @@ class _Session:
                 raise ConnectionError(f"a producer wrote blocks this rank refuses: {error}")
             self.listener.landed += 1
             return
-        ids = None  # the block ids copy_plan reads (GPU caches)
-
-        def block_ids() -> torch.Tensor | None:
-            return self.table.ids(blocks) if self.table is not None and not error else None
-
-        def scatter(chunk: list[Piece], data: torch.Tensor) -> str:
-            if error:
-                return error  # the bytes were drained, never written
-            try:
-                base = chunk[0].offset
-                if ids is not None:  # one kernel over the chunk's runs
-                    first, stop = self.table.span(chunk, len(blocks))
-                    from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
-
-                    copy_plan(self.table.plan, ids, len(blocks), first, stop, self.table.max_words,
-                              shift=data.data_ptr() - base, reverse=True, programs=self.listener.spec.copy_programs)
-                    return ""
-                for p in chunk:
-                    unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
-                                 self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
-                return ""
-            except Exception as err:  # the request fails, the pair serves on
-                return f"{type(err).__name__}: {err}"
-
-        if group is None:  # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
-            parts = self.chunks(len(blocks), buf.numel())
-            ids = block_ids()
-            for i, chunk in enumerate(parts):
-                note = self.conn.recv()
-                if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
-                    raise ConnectionError(f"expected chunk {i} of {size_of(chunk)} bytes, got {note}")
-                if self.host is not None and self.host is not buf:
-                    buf[:note.nbytes].copy_(self.host[:note.nbytes], non_blocking=True)  # host to device
-                error = scatter(chunk, buf)
-                synchronize(self.listener.device)
-                if i + 1 < len(parts):
-                    self.conn.send(P2PAck(index=i, error=error))
-                    if error:  # the producer stops at this ack: the request ends here, the pair serves on
-                        return
-        else:  # two halves: receive chunk i+1 while chunk i is scattered
-            parts, slots = self._parts(len(blocks)), self.slots
-
-            def post(i: int) -> None:
-                pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
-
-            phases.mark("posted")
-            timeout_s = self.listener.spec.timeout_s
-            with self.deadline.armed(timeout_s) as aborted:  # a producer that stalls or dies mid-request
-                if len(parts) > 1:
-                    post(1)  # chunk 1 leaves after chunk 0 is through: posted after the first
-                ids = block_ids()
-                phases.mark("ids")
-                for i, chunk in enumerate(parts):
-                    if 2 <= i + 1 < len(parts):
-                        post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
-                    pending.pop(i).wait()
-                    phases.mark("recv")
-                    error = scatter(chunk, slots[i % 2])
-                    phases.mark("scatter")
-                if not error:
-                    self.listener.landed += 1  # counted before the verdict: the producer may look once it has it
-                # The verdict, after the last scatter in stream order (``P2PPeer._verdict``).
-                group.send([self.verdicts[bool(error)]], 1, 0).wait()
-                phases.mark("verdict")
-                synchronize(self.listener.device)  # off the producer's path: its half-buffers are free again
-            if aborted():
-                if not error:
-                    self.listener.landed -= 1  # counted above; the verdict may never have left
-                why = ("the producer closed the pair's connection mid-request" if self.deadline.peer_left
-                       else f"the producer's chunks did not all come within {timeout_s} s")
-                raise ConnectionError(f"request {request.request_id!r}: {why}; the pair's group was aborted")
-            phases.mark("synced")
-            if error:
-                self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
-            phases.report()
+        if group is not None:
+            self._stream(request, plan, group, pending, error, src_block_bytes, phases)
             return
+        # ipc, mooncake: the chunk is in ``buf`` (or host staging); ack each chunk
+        parts = self.chunks(len(blocks), buf.numel())
+        ids = self._block_ids(blocks, error)
+        for i, chunk in enumerate(parts):
+            note = self.conn.recv()
+            if not isinstance(note, P2PChunk) or note.index != i or note.nbytes != size_of(chunk):
+                raise ConnectionError(f"expected chunk {i} of {size_of(chunk)} bytes, got {note}")
+            if self.host is not None and self.host is not buf:
+                buf[:note.nbytes].copy_(self.host[:note.nbytes], non_blocking=True)  # host to device
+            error = error or self._scatter(plan, chunk, buf, blocks, ids, src_block_bytes)
+            synchronize(self.listener.device)
+            if i + 1 < len(parts):
+                self.conn.send(P2PAck(index=i, error=error))
+                if error:  # the producer stops at this ack: the request ends here, the pair serves on
+                    return
         if not error:
             self.listener.landed += 1  # counted before the ack: the producer may look once it returns
         self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
         phases.mark("acked")
         phases.report()
 
+    def _stream(self, request: P2PRequest, plan: CutPlan, group, pending: dict, error: str,
+                src_block_bytes: dict[str, int], phases: Phases) -> None:
+        """Over the pair's group: receive chunk i+1 into one half of the buffer while chunk i
+        is scattered from the other, then send the verdict (``P2PPeer._verdict``). The first
+        chunk's receive is already ``pending``."""
+        blocks = request.dst_blocks
+        parts, slots = self._parts(len(blocks)), self.slots
 
+        def post(i: int) -> None:
+            pending[i] = group.recv([slots[i % 2][:size_of(parts[i])]], 1, 0)
+
+        phases.mark("posted")
+        timeout_s = self.listener.spec.timeout_s
+        with self.deadline.armed(timeout_s) as aborted:  # a producer that stalls or dies mid-request
+            if len(parts) > 1:
+                post(1)  # chunk 1 leaves after chunk 0 is through: posted after the first
+            ids = self._block_ids(blocks, error)
+            phases.mark("ids")
+            for i, chunk in enumerate(parts):
+                if 2 <= i + 1 < len(parts):
+                    post(i + 1)  # after chunk i-1's scatter in stream order: its half is free
+                pending.pop(i).wait()
+                phases.mark("recv")
+                error = error or self._scatter(plan, chunk, slots[i % 2], blocks, ids, src_block_bytes)
+                phases.mark("scatter")
+            if not error:
+                self.listener.landed += 1  # counted before the verdict: the producer may look once it has it
+            # The verdict, after the last scatter in stream order.
+            group.send([self.verdicts[bool(error)]], 1, 0).wait()
+            phases.mark("verdict")
+            synchronize(self.listener.device)  # off the producer's path: its half-buffers are free again
+        if aborted():
+            if not error:
+                self.listener.landed -= 1  # counted above; the verdict may never have left
+            why = ("the producer closed the pair's connection mid-request" if self.deadline.peer_left
+                   else f"the producer's chunks did not all come within {timeout_s} s")
+            raise ConnectionError(f"request {request.request_id!r}: {why}; the pair's group was aborted")
+        phases.mark("synced")
+        if error:
+            self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
+        phases.report()
+
+    def _block_ids(self, blocks: list[int], error: str) -> torch.Tensor | None:
+        """The block ids ``copy_plan`` reads (GPU caches; none for a request already failed)."""
+        return self.table.ids(blocks) if self.table is not None and not error else None
+
+    def _scatter(self, plan: CutPlan, chunk: list[Piece], data: torch.Tensor, blocks: list[int],
+                 ids: torch.Tensor | None, src_block_bytes: dict[str, int]) -> str:
+        """Chunk ``chunk``'s bytes from ``data`` into this rank's caches: one ``copy_plan``
+        launch on a GPU, torch index ops per piece on CPU. Returns why it failed, or ""
+        (the request fails, the pair serves on)."""
+        try:
+            base = chunk[0].offset
+            if ids is not None:
+                first, stop = self.table.span(chunk, len(blocks))
+                from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
+
+                copy_plan(self.table.plan, ids, len(blocks), first, stop, self.table.max_words,
+                          shift=data.data_ptr() - base, reverse=True, programs=self.listener.spec.copy_programs)
+                return ""
+            for p in chunk:
+                unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
+                             self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
+            return ""
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
