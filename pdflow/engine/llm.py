@@ -13,7 +13,7 @@ from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.graph import CONSUMER
 from pdflow.model.config import DecoderConfig
-from pdflow.model.paths import resolve_model_path
+from pdflow.model.paths import model_name, resolve_model_path
 from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
 from pdflow.spec.dtypes import canonical_dtype
 
@@ -22,20 +22,22 @@ Prompt = str | list[int]
 
 def run_spec_for(
     model: str | ModelSpec, parallel: ParallelSpec, *, dtype: str = "auto",
-    max_model_len: int | None = None, seed: int = 0,
+    max_model_len: int | None = None, seed: int = 0, revision: str | None = None,
 ) -> RunSpec:
     """A one-instance run spec: ``model`` as a checkpoint folder (``pdflow:...`` for a
-    packaged one) or a ModelSpec (no path: random init), served with ``parallel``. Only
-    one side runs, so its ranks start at GPU 0 unless ``parallel.device_offset`` says."""
+    packaged one), a Hugging Face hub id at ``revision``, or a ModelSpec (no path: random
+    init), served with ``parallel``. Only one side runs, so its ranks start at GPU 0
+    unless ``parallel.device_offset`` says."""
     if isinstance(model, str):
-        folder = resolve_model_path(model)
+        folder = resolve_model_path(model, revision)
         cfg = DecoderConfig.from_file(folder)
         if dtype == "auto":
             dtype = cfg.torch_dtype or "float32"
         wanted = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         model = cfg.to_model_spec(
-            name=folder.name, path=model, dtype=canonical_dtype(dtype), max_model_len=wanted
+            name=model_name(model), path=model, dtype=canonical_dtype(dtype), max_model_len=wanted
         )
+        model.revision = revision
     else:
         model = copy.copy(model)
         if dtype != "auto":
@@ -54,13 +56,14 @@ def run_spec_for(
 
 def _built_spec(
     model: str | ModelSpec | RunSpec, parallel: ParallelSpec | None, *, dtype: str,
-    max_model_len: int | None, seed: int | None, role: str,
+    max_model_len: int | None, seed: int | None, role: str, revision: str | None = None,
 ) -> RunSpec:
     """``model`` itself when it is a RunSpec (whose building arguments must not be given),
     else the one-instance spec ``run_spec_for`` builds (served as its decode side)."""
     if isinstance(model, RunSpec):
         given = {"parallel": parallel is not None, "dtype": dtype != "auto",
-                 "max_model_len": max_model_len is not None, "seed": seed is not None}
+                 "max_model_len": max_model_len is not None, "seed": seed is not None,
+                 "revision": revision is not None}
         if any(given.values()):
             names = ", ".join(name for name, g in given.items() if g)
             raise ValueError(f"a RunSpec is already built; {names} cannot be applied to it")
@@ -69,7 +72,8 @@ def _built_spec(
         raise ValueError(f"role={role!r} needs a RunSpec; a model and parallel serve one decode side")
     parallel = parallel if parallel is not None else ParallelSpec()
     return run_spec_for(
-        model, parallel, dtype=dtype, max_model_len=max_model_len, seed=0 if seed is None else seed
+        model, parallel, dtype=dtype, max_model_len=max_model_len, seed=0 if seed is None else seed,
+        revision=revision,
     )
 
 
@@ -105,17 +109,18 @@ class LLM(EngineFacts):
     own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
     checkpoint's tokenizer) or token-id lists.
 
-    ``model`` is a checkpoint folder or ModelSpec served with ``parallel`` (``dtype``,
-    ``max_model_len`` and ``seed`` adjust it), or an already built RunSpec whose ``role``
+    ``model`` is a checkpoint folder, a Hugging Face hub id (at ``revision``) or a
+    ModelSpec served with ``parallel`` (``dtype``, ``max_model_len`` and ``seed`` adjust it), or an already built RunSpec whose ``role``
     side is served as its run graph places it (what ``from_run_spec`` does)."""
 
     def __init__(
         self, model: str | ModelSpec | RunSpec, parallel: ParallelSpec | None = None, *,
         dtype: str = "auto", max_model_len: int | None = None, seed: int | None = None,
-        role: str = CONSUMER,
+        role: str = CONSUMER, revision: str | None = None,
     ):
         spec = _built_spec(
-            model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed, role=role
+            model, parallel, dtype=dtype, max_model_len=max_model_len, seed=seed, role=role,
+            revision=revision,
         )
         self.instance = Instance(spec, role)
         try:

@@ -168,7 +168,7 @@ def check_model_geometry(spec: RunSpec) -> list[Refusal]:
     if not model.path:
         return []
     try:
-        geometry = hf_geometry(read_hf_config(model.path))
+        geometry = hf_geometry(read_hf_config(model.path, model.revision))
     except (OSError, ValueError, KeyError):
         return []
     return [

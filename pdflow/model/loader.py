@@ -84,7 +84,7 @@ def random_init(model: CausalLM, *, seed: int, std: float = 0.02) -> None:
 def model_config(model: ModelSpec) -> tuple[Path | None, DecoderConfig]:
     """The checkpoint folder (None: a random model of the spec's geometry) and its config,
     checked against the spec."""
-    folder = resolve_model_path(model.path) if model.path else None
+    folder = resolve_model_path(model.path, model.revision) if model.path else None
     cfg = DecoderConfig.from_file(folder) if folder else DecoderConfig.from_model_spec(model)
     cfg.check_matches(model)
     return folder, cfg

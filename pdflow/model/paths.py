@@ -6,6 +6,6 @@ checkpoint's config.json at plan time, and the loader find the same folder.
 
 from __future__ import annotations
 
-from pdflow.spec.checkpoint import PACKAGE_PREFIX, resolve_model_path
+from pdflow.spec.checkpoint import PACKAGE_PREFIX, model_name, resolve_model_path
 
-__all__ = ["PACKAGE_PREFIX", "resolve_model_path"]
+__all__ = ["PACKAGE_PREFIX", "model_name", "resolve_model_path"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pdflow.spec.dtypes import ALIASES
+from pdflow.spec.hub import hub_name, hub_snapshot, is_hub_id
 
 PACKAGE_PREFIX = "pdflow:"
 
@@ -31,10 +32,15 @@ GEOMETRY_KEYS = ("architecture", "layers", "hidden", "heads", "kv_heads", "head_
 DEFAULTED_KEYS = ("dtype", "max_model_len")
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """``pdflow:assets/tiny`` -> that folder of the installed pdflow package; any other
-    value is a filesystem path. Raises FileNotFoundError when the folder is missing."""
+def resolve_model_path(path: str | Path, revision: str | None = None, *, weights: bool = True,
+                       hub: bool = True) -> Path:
+    """``pdflow:assets/tiny`` -> that folder of the installed pdflow package; a hub id
+    (``Qwen/Qwen3-0.6B``, no such local folder) -> its snapshot in the Hugging Face cache at
+    ``revision`` (``weights=False``: config.json only; ``hub=False``: never asked); any
+    other value is a filesystem path. Raises FileNotFoundError when the folder is missing."""
     text = str(path)
+    if hub and is_hub_id(text):
+        return hub_snapshot(text, revision, weights=weights)
     if text.startswith(PACKAGE_PREFIX):
         inner = text[len(PACKAGE_PREFIX) :].strip("/")
         resolved = Path(str(resources.files("pdflow").joinpath(inner)))
@@ -45,9 +51,15 @@ def resolve_model_path(path: str | Path) -> Path:
     return resolved
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
+def model_name(path: str | Path) -> str:
+    """A checkpoint's name: its folder's, or a hub id's repository name."""
+    text = str(path)
+    return hub_name(text) if is_hub_id(text) else resolve_model_path(text, hub=False).name
+
+
+def read_hf_config(path: str | Path, revision: str | None = None) -> dict[str, Any]:
     """The checkpoint's config.json as a dict (FileNotFoundError names the file)."""
-    file = resolve_model_path(path) / "config.json"
+    file = resolve_model_path(path, revision, weights=False) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: a HF checkpoint folder holds one")
     return json.loads(file.read_text())
@@ -81,12 +93,13 @@ def checkpoint_field(key: str, *, _parent_) -> Any:
     """OmegaConf resolver ``${pdflow.checkpoint:<key>}`` inside a model config: that field
     of the checkpoint at the config's ``path`` (``name``: the folder's name)."""
     path = None if _parent_._get_node("path")._is_missing() else _parent_.path
+    revision = _parent_.get("revision")
     if not path:
         raise ValueError(f"model.{key} comes from the checkpoint: give model.path=<HF checkpoint "
-                         f"folder> (with config.json), or set model.{key}")
+                         f"folder (with config.json) or hub id>, or set model.{key}")
     if key == "name":
-        return resolve_model_path(path).name
-    return hf_geometry(read_hf_config(path))[key]
+        return model_name(path)
+    return hf_geometry(read_hf_config(path, revision))[key]
 
 
 def geometry_mismatches(model, geometry: dict[str, Any]) -> list[tuple[str, Any, Any]]:

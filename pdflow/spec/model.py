@@ -27,7 +27,11 @@ class ModelSpec:
     kv_dtype: str = "auto"
     weight_dtype: str = "auto"
     max_model_len: int = 4096
+    # A HF checkpoint: a folder, ``pdflow:<folder in the package>``, or a hub id
+    # (``Qwen/Qwen3-0.6B``, resolved through huggingface_hub's cache) at ``revision``.
     path: str | None = None
+    # The hub revision (branch, tag or commit) of a hub id; None: main.
+    revision: str | None = None
     # Total parameters when the dense estimate from the geometry is wrong (MoE models).
     param_count: int | None = None
     # Sparse-attention facts (MiniMax-M3 style): layers that also cache an indexer key

@@ -38,7 +38,8 @@ def drafter_checkpoint(spec) -> Path | None:
     if not spec.model.path:
         return None
     try:
-        return resolve_model_path(f"{str(spec.model.path).rstrip('/')}-{d.kind}")
+        # A local sibling only: a hub id's ``-<kind>`` is not asked of the hub.
+        return resolve_model_path(f"{str(spec.model.path).rstrip('/')}-{d.kind}", hub=False)
     except FileNotFoundError:
         return None
 
