@@ -24,7 +24,8 @@ WORKLOADS = "accuracy,arith,default,needle,prefill,replay,serve"
 
 # name -> (pdflow run arguments, jobs it runs). Every job must serve without an error.
 RUNS = {
-    "workloads": (["-m", f"workload={WORKLOADS}", "prefill=tp1", "decode=tp1", "drafter=none"], 7),
+    "workloads": (["-m", f"workload={WORKLOADS}", "prefill=tp1", "decode=tp1", "drafter=none",
+                   "transfer=mooncake_tcp"], 7),
     "ref_accuracy": (["+experiment=ref_accuracy", "prefill=pp4-uneven", "decode=tp2", "drafter=dspark",
                       "transfer=nccl"], 1),
     "ref_prefill_cost": (["+experiment=ref_prefill_cost", "prefill=pp4", "decode=tp4", "drafter=eagle"], 1),
@@ -40,7 +41,7 @@ REFUSED = {
          "transfer=mooncake_rdma"], 3, {"DEVICE_UNAVAILABLE", "RDMA_UNAVAILABLE"}),
 }
 # Options a run gets without naming them (the config's defaults).
-DEFAULTS = {"model": "tiny", "transfer": "mooncake_tcp", "tracking": "mlflow"}
+DEFAULTS = {"model": "tiny", "transfer": "auto", "tracking": "mlflow"}
 TRACE = '{"arrival_s": 0.0, "prompt": "Question: Tom has 3 pens.", "max_tokens": 3}\n'
 
 

@@ -8,6 +8,7 @@ by the command and passed in, so the checks themselves are pure and testable.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +21,14 @@ RDMA_SYSFS = Path("/sys/class/infiniband")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostFacts:
-    """What this host can run on: CUDA devices, RDMA device names, and whether the
-    installed Mooncake can read GPU memory (its CUDA build; the non-CUDA one moves host
-    memory only)."""
+    """What this host can run on: CUDA devices, RDMA device names, whether Mooncake is
+    installed at all, and whether it can read GPU memory (its CUDA build; the non-CUDA one
+    moves host memory only)."""
 
     cuda_devices: int
     rdma_devices: tuple[str, ...]
     mooncake_reads_gpu: bool = False
+    mooncake_installed: bool = True
 
     @classmethod
     def probe(cls, spec) -> HostFacts:
@@ -37,7 +39,8 @@ class HostFacts:
 
             cuda = torch.cuda.device_count()
         rdma = tuple(sorted(p.name for p in RDMA_SYSFS.iterdir())) if RDMA_SYSFS.is_dir() else ()
-        return cls(cuda_devices=cuda, rdma_devices=rdma, mooncake_reads_gpu=distribution_installed(MOONCAKE_CUDA_BUILD))
+        return cls(cuda_devices=cuda, rdma_devices=rdma, mooncake_reads_gpu=distribution_installed(MOONCAKE_CUDA_BUILD),
+                   mooncake_installed=importlib.util.find_spec("mooncake") is not None)
 
 
 def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
@@ -73,6 +76,15 @@ def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
                                fix="use transfer=mooncake_tcp, or set transfer.device to a device listed in "
                                f"{RDMA_SYSFS}."))
     devices = {spec.prefill.device, spec.decode.device}
+    if spec.mode == "pd" and spec.transfer.backend == "mooncake" and not host.mooncake_installed:
+        wheel = MOONCAKE_CUDA_BUILD if "cuda" in devices else MOONCAKE_CPU_BUILD
+        chosen = f" ({spec.transfer.chosen})" if spec.transfer.chosen else ""
+        out.append(Refusal(code=Code.TRANSFER_UNAVAILABLE,
+                           message=f"transfer.backend=mooncake{chosen} moves the KV, but the Mooncake Transfer "
+                           "Engine is not installed here (no `mooncake` module).",
+                           fix=f"`pip install {wheel}` (or `pip install -e \".[transfer-"
+                           f"{'cuda' if 'cuda' in devices else 'cpu'}]\"`), or run both instances on GPUs of "
+                           "this host with transfer=cuda_ipc or transfer=nccl."))
     if (spec.mode == "pd" and spec.transfer.backend == "mooncake" and not spec.transfer.staging
             and "cuda" in devices and not host.mooncake_reads_gpu):
         out.append(Refusal(code=Code.MOONCAKE_HOST_ONLY,
@@ -84,7 +96,8 @@ def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
     return out
 
 
-MOONCAKE_CUDA_BUILD = "mooncake-transfer-engine"  # the non-CUDA build: mooncake-transfer-engine-non-cuda
+MOONCAKE_CUDA_BUILD = "mooncake-transfer-engine"
+MOONCAKE_CPU_BUILD = "mooncake-transfer-engine-non-cuda"
 
 
 def distribution_installed(distribution: str) -> bool:

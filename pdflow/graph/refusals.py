@@ -34,6 +34,7 @@ class Code(str, Enum):
     DEVICE_UNAVAILABLE = "DEVICE_UNAVAILABLE"
     RDMA_UNAVAILABLE = "RDMA_UNAVAILABLE"
     MOONCAKE_HOST_ONLY = "MOONCAKE_HOST_ONLY"
+    TRANSFER_UNAVAILABLE = "TRANSFER_UNAVAILABLE"
     # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
     PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
     PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"
@@ -57,7 +58,8 @@ STRUCTURAL = frozenset(
 PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID, Code.PAIRING_PEER_FAILED})
 
 # Refusals that need the launching host's facts, never raised by validate().
-HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE, Code.MOONCAKE_HOST_ONLY})
+HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE, Code.MOONCAKE_HOST_ONLY,
+                       Code.TRANSFER_UNAVAILABLE})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

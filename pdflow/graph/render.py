@@ -192,7 +192,7 @@ def render(graph: RunGraph, console: Console | None = None) -> None:
         f"[bold]{spec.name}[/]: model {spec.model.name} ({spec.model.layers} layers, "
         f"{spec.model.kv_heads} KV heads, d{spec.model.head_dim}) | prefill tp{spec.prefill.tp} "
         f"pp{spec.prefill.pp} -> decode tp{spec.decode.tp} pp{spec.decode.pp} | drafter {d.kind} | "
-        f"transfer {spec.transfer.backend}/{spec.transfer.protocol}"
+        f"transfer {graph.transfer}"
     )
     if graph.producer is not None:
         console.print(_instance_table("Producer (prefill)", graph.producer, graph))

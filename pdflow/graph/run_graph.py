@@ -20,7 +20,7 @@ from pdflow.graph.placement import (
 )
 from pdflow.graph.refusals import STRUCTURAL, Code, GraphRefused, Refusal
 from pdflow.graph.regions import Region, build_regions
-from pdflow.graph.transfer_buffers import rank_transfer_bytes
+from pdflow.graph.transfer_buffers import rank_transfer_bytes, transfer_label
 from pdflow.spec import RunSpec
 
 
@@ -46,6 +46,8 @@ class RunGraph:
     cuts: tuple[CutPlan, ...]
     budgets: dict[str, BlockBudget]
     refusals: tuple[Refusal, ...]
+    # The KV transfer the run uses (transfer=auto resolved), as ``transfer_label`` names it.
+    transfer: str = ""
 
     def validate(self) -> list[Refusal]:
         """Every refusal at once (empty when the deployment is allowed)."""
@@ -100,7 +102,7 @@ def build_graph(spec: RunSpec) -> RunGraph:
     refusals = check_spec(spec)
     empty = dict(producer=None, consumer=None, drafter=None, regions=(), cuts=(), budgets={})
     if any(r.code in STRUCTURAL for r in refusals):
-        return RunGraph(spec=spec, refusals=tuple(refusals), **empty)
+        return RunGraph(spec=spec, refusals=tuple(refusals), transfer=transfer_label(spec), **empty)
     taps = [t for t in resolved_taps(spec) if 0 <= t < spec.model.layers]
     producer, consumer = (
         place_instance(
@@ -153,4 +155,5 @@ def build_graph(spec: RunSpec) -> RunGraph:
         cuts=tuple(cuts),
         budgets=budgets,
         refusals=tuple(refusals),
+        transfer=transfer_label(spec),
     )

@@ -16,6 +16,18 @@ from pdflow.graph.placement import CONSUMER, PRODUCER, parallel_of
 from pdflow.spec import RunSpec
 
 
+def transfer_label(spec: RunSpec) -> str:
+    """The transfer a run uses, as the config that names it (``cuda_ipc``, ``nccl``,
+    ``mooncake_tcp``, ``mooncake_rdma``, ``+ direct`` without staging), with what
+    transfer=auto chose it for; what ``pdflow plan`` shows."""
+    t = spec.transfer
+    if t.backend == "nccl":
+        name = "cuda_ipc" if t.peer_writes else "nccl"
+    else:
+        name = f"mooncake_{t.protocol}" + ("" if t.staging else " direct")
+    return f"{name} ({t.chosen})" if t.chosen else name
+
+
 def pairs_hold_buffers(spec: RunSpec) -> bool:
     t = spec.transfer
     if spec.mode != "pd" or not (t.backend == "nccl" or t.staging):

@@ -157,3 +157,5 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        self.transfer.resolve_auto(devices={self.prefill.device, self.decode.device},
+                                   one_owner=self.serve.role == "deployment")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BACKENDS = ("mooncake", "nccl")
+AUTO = "auto"
+BACKENDS = (AUTO, "mooncake", "nccl")
 PROTOCOLS = ("tcp", "rdma")
 TCP_PEER_QUEUE = 1024
 
 
 @dataclass(kw_only=True, slots=True)
 class TransferSpec:
+    # "auto" (the default, resolved by ``resolve_auto`` when the run spec is built, so
+    # readers always see a backend): cuda_ipc between GPUs of one host, Mooncake otherwise.
     backend: str = "mooncake"
     protocol: str = "tcp"
     # RDMA device name(s) for Mooncake; empty for TCP.
@@ -57,6 +60,8 @@ class TransferSpec:
     # peer's TCP lanes, so the next one may fail once), waiting backoff, 2x, 4x, ...
     retries: int = 3
     retry_backoff_s: float = 0.02
+    # What transfer=auto chose and why (set by ``resolve_auto``; empty when named).
+    chosen: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -84,3 +89,18 @@ class TransferSpec:
             raise ValueError("transfer.retries and transfer.retry_backoff_s must be >= 0")
         if not 0 <= self.handshake_base_port < 65536:
             raise ValueError("transfer.handshake_base_port must be 0 (pick free) or a port number")
+
+    def resolve_auto(self, *, devices: set[str], one_owner: bool) -> None:
+        """Settle ``backend: auto`` from where the caches live: GPU caches of instances one
+        owner process starts (so one host) -> cuda_ipc (peer writes; nccl where the GPUs
+        cannot reach each other); CPU caches, or instances started separately (maybe on
+        other hosts) -> Mooncake over TCP with staging, as transfer=mooncake_tcp."""
+        if self.backend != AUTO:
+            return
+        if devices == {"cuda"} and one_owner:
+            self.backend, self.peer_writes = "nccl", True
+            self.chosen = "auto: GPU caches of one host"
+            return
+        self.backend, self.protocol, self.staging = "mooncake", "tcp", True
+        why = "CPU caches" if "cuda" not in devices else "instances started separately, maybe on other hosts"
+        self.chosen = f"auto: {why}"
