@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pdflow.graph import GraphRefused, build_graph
-from pdflow.graph.host import HostFacts, host_refusals
+from pdflow.graph.host import HostFacts, host_refusals, read_devices
 from pdflow.spec import TrackingSpec
 from pdflow.spec.load import spec_from_config
 from pdflow.tracking.callback import JOB_NAME, close_open_sweeps
@@ -82,7 +82,7 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
     with TrackedRun(_tracking_of(tree), run_name=_run_name(cfg), tags=tags) as tracked:
         tracked.log_config(tree, OmegaConf.to_yaml(OmegaConf.create(redact(tree))))
         spec = spec_from_config(cfg)
-        graph = build_graph(spec)
+        graph = build_graph(spec, read_devices(spec))  # GPU pools sized from the devices here
         tracked.log_json("plan.json", graph.to_dict())
         from pdflow.graph.picture import plan_figure
 

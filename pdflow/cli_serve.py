@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pdflow.graph import GraphRefused, build_graph
-from pdflow.graph.host import HostFacts, host_refusals
+from pdflow.graph.host import HostFacts, host_refusals, read_devices
 from pdflow.spec.load import spec_from_config
 
 CONFIG_PATH = "pkg://pdflow.conf"
@@ -55,7 +55,7 @@ def _serve(cfg: DictConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = spec_from_config(cfg)
     if not spec.serve.backends and spec.serve.role != "router":
-        graph = build_graph(spec).raise_if_refused()
+        graph = build_graph(spec, read_devices(spec)).raise_if_refused()
         refusals = host_refusals(graph, HostFacts.probe(spec))
         if refusals:
             raise GraphRefused(refusals)

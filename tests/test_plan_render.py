@@ -10,7 +10,6 @@ import re
 import pytest
 from rich.console import Console
 
-from pdflow.graph import parallel_of
 from pdflow.graph.render import LEGEND, render
 
 CASES = [(), ("+experiment=ref_pp4_tp4_dspark",), ("prefill=pp2", "decode=tp2", "decode.num_kv_blocks=64")]
@@ -59,9 +58,9 @@ def test_usable_memory_is_explained_from_the_spec(graph_of, overrides):
     graph = graph_of(*overrides)
     flat = " ".join(rendered(graph, width=200).split())
     for role, budget in graph.budgets.items():
-        par = parallel_of(graph.spec, role)
-        assert f"{role}.device_memory_gib {par.device_memory_gib:g} GiB x {role}.memory {par.memory:g}" in flat
-        assert f"{par.usable_bytes() / 1e9:.2f}" in flat  # the column the caption explains
+        assert f"{role}: {budget.sizing}" in flat and budget.sizing
+        assert f"{budget.stages[0].usable_bytes / 1e9:.2f}" in flat  # the column the caption explains
+        assert f"{budget.pool_blocks:,} blocks = {budget.pool_tokens:,} tokens" in flat
         if budget.fixed:
             assert f"{role}.num_kv_blocks" in flat
 

@@ -22,6 +22,8 @@ from pdflow.graph import (
     build_graph,
     parallel_of,
 )
+from pdflow.graph.devices import DeviceFacts
+from pdflow.graph.host import read_devices
 from pdflow.model.loader import model_config
 from pdflow.model.tokenizer import load_tokenizer
 from pdflow.parallel.messages import KVEndpoint, KVLinkOpened, OpenKVLink, PairConsumer, Paired
@@ -40,11 +42,12 @@ def _expect(message, kind, role: str):
 
 
 class Instance:
-    def __init__(self, spec: RunSpec, role: str = CONSUMER):
+    def __init__(self, spec: RunSpec, role: str = CONSUMER, devices: DeviceFacts | None = None):
+        """``devices``: the GPUs' memory read at start (None: read here when a side is on cuda)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.spec, self.role = spec, role
-        self.graph = build_graph(spec).raise_if_refused()
+        self.graph = build_graph(spec, devices or read_devices(spec)).raise_if_refused()
         self.plan: InstancePlan = self.graph.instance(role)
         self.parallel = parallel_of(spec, role)
         self.folder, self.config = model_config(spec.model)

@@ -34,6 +34,14 @@ class BlockBudget:
     binding_stage: int
     # True when the spec fixed the pool (num_kv_blocks) instead of memory deciding it.
     fixed: bool
+    # How the usable bytes were sized (graph/memory.py), for ``pdflow plan``.
+    sizing: str = ""
+    # Tokens per block, so the pool reads in tokens too.
+    block_size: int = 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_blocks * self.block_size
 
 
 def _drafter_params(model: ModelSpec, drafter: DrafterSpec, num_taps: int) -> int:
@@ -75,16 +83,19 @@ def block_budget(
     drafter: DrafterSpec,
     num_taps: int,
     transfer_bytes: dict[int, int] | None = None,
+    usable: dict[int, int] | None = None,
+    sizing: str = "",
 ) -> BlockBudget:
-    """``transfer_bytes``: rank -> bytes its KV transfer pairs hold (none by default)."""
+    """``transfer_bytes``: rank -> bytes its KV transfer pairs hold (none by default);
+    ``usable``: rank -> bytes it may use in all (``graph/memory.py``)."""
     stages = []
     for stage in instance.stages:
         per_block = sum(u.bytes_per_block for u in stage.ranks[0].units)
         weights = _stage_weights(model, par, drafter, stage, num_taps)
         act = _activation_bytes(model, par, stage.index == par.pp - 1)
         transfer = max((transfer_bytes or {}).get(r.rank, 0) for r in stage.ranks)
-        usable = par.usable_bytes()
-        blocks = max(0, (usable - weights - act - transfer) // per_block) if per_block else 0
+        room = min((usable or {}).get(r.rank, 0) for r in stage.ranks)
+        blocks = max(0, (room - weights - act - transfer) // per_block) if per_block else 0
         stages.append(
             StageBudget(
                 stage=stage.index,
@@ -92,7 +103,7 @@ def block_budget(
                 weight_bytes=weights,
                 activation_bytes=act,
                 transfer_bytes=transfer,
-                usable_bytes=usable,
+                usable_bytes=room,
                 blocks=blocks,
             )
         )
@@ -100,5 +111,6 @@ def block_budget(
     fixed = par.num_kv_blocks is not None
     pool = par.num_kv_blocks if fixed else binding.blocks
     return BlockBudget(
-        role=role, stages=tuple(stages), pool_blocks=pool, binding_stage=binding.stage, fixed=fixed
+        role=role, stages=tuple(stages), pool_blocks=pool, binding_stage=binding.stage, fixed=fixed,
+        sizing=sizing, block_size=par.block_size,
     )

@@ -19,7 +19,9 @@ def resolved_taps(spec: RunSpec) -> list[int]:
 
 
 def _sides(spec: RunSpec) -> list[tuple[str, ParallelSpec]]:
-    return [(role, parallel_of(spec, role)) for role in (PRODUCER, CONSUMER)]
+    """The instances a run starts: a monolithic run's prefill side is neither placed nor checked."""
+    roles = (CONSUMER,) if spec.mode == "monolithic" else (PRODUCER, CONSUMER)
+    return [(role, parallel_of(spec, role)) for role in roles]
 
 
 def check_partitions(spec: RunSpec) -> list[Refusal]:
@@ -61,7 +63,7 @@ def check_head_cuts(spec: RunSpec) -> list[Refusal]:
                     )
                 )
     p, c = spec.prefill.tp, spec.decode.tp
-    if max(p, c) % min(p, c):
+    if spec.mode == "pd" and max(p, c) % min(p, c):
         out.append(
             Refusal(
                 code=Code.HEAD_CUT_NOT_DIVISIBLE,
@@ -118,7 +120,7 @@ def check_drafter(spec: RunSpec) -> list[Refusal]:
                 fix=f"declare drafter.taps within 0..{layers - 1}.",
             )
         )
-    pp = max(spec.prefill.pp, spec.decode.pp)
+    pp = max(par.pp for _, par in _sides(spec))
     if d.enabled and d.taps_target_layers and not d.taps_declared and pp > 1:
         out.append(
             Refusal(

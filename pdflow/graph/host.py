@@ -12,9 +12,10 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdflow.graph.devices import DeviceFacts, cuda_indices
 from pdflow.graph.placement import CONSUMER, PRODUCER, parallel_of
 from pdflow.graph.refusals import Code, Refusal
-from pdflow.graph.run_graph import RunGraph
+from pdflow.graph.run_graph import RunGraph, build_graph
 
 RDMA_SYSFS = Path("/sys/class/infiniband")
 
@@ -43,10 +44,21 @@ class HostFacts:
                    mooncake_installed=importlib.util.find_spec("mooncake") is not None)
 
 
+def read_devices(spec) -> DeviceFacts | None:
+    """The memory of the GPUs ``spec`` places ranks on, read now (None: no cuda side).
+    An owner starting two instances reads once, before either allocates, and gives both
+    the same facts (``Deployment``)."""
+    if "cuda" not in (spec.prefill.device, spec.decode.device):
+        return None
+    graph = build_graph(spec)
+    indices = cuda_indices(graph) if graph.consumer is not None else []
+    return DeviceFacts.probe(indices) if indices else None
+
+
 def host_refusals(graph: RunGraph, host: HostFacts) -> list[Refusal]:
     """Every reason ``graph`` cannot launch on ``host`` (empty when it can)."""
     spec, out = graph.spec, []
-    if graph.producer is None or graph.consumer is None:
+    if graph.consumer is None or (spec.mode == "pd" and graph.producer is None):
         return out  # refused by its structure already
     for role in [CONSUMER] if spec.mode == "monolithic" else [PRODUCER, CONSUMER]:
         par = parallel_of(spec, role)

@@ -36,6 +36,8 @@ def overlap_scheduling(spec: RunSpec, role: str) -> bool:
 def check_overlap(spec: RunSpec) -> list[Refusal]:
     out = []
     for role, side in ((PRODUCER, "prefill"), (CONSUMER, "decode")):
+        if role == PRODUCER and spec.mode == "monolithic":
+            continue  # no prefill instance starts
         why = _blockers(spec, role)
         if parallel_of(spec, role).overlap_scheduling and why:
             out.append(Refusal(

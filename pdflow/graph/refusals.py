@@ -35,6 +35,8 @@ class Code(str, Enum):
     RDMA_UNAVAILABLE = "RDMA_UNAVAILABLE"
     MOONCAKE_HOST_ONLY = "MOONCAKE_HOST_ONLY"
     TRANSFER_UNAVAILABLE = "TRANSFER_UNAVAILABLE"
+    # Raised only with the GPUs' memory read at start (pdflow.graph.memory).
+    DEVICE_MEMORY_SHORT = "DEVICE_MEMORY_SHORT"
     # Raised only when a live consumer rank pairs with a producer rank (pdflow.transfer).
     PAIRING_RANK_UNKNOWN = "PAIRING_RANK_UNKNOWN"
     PAIRING_REGION_INVALID = "PAIRING_REGION_INVALID"
@@ -59,7 +61,7 @@ PAIRING_ONLY = frozenset({Code.PAIRING_RANK_UNKNOWN, Code.PAIRING_REGION_INVALID
 
 # Refusals that need the launching host's facts, never raised by validate().
 HOST_ONLY = frozenset({Code.DEVICE_UNAVAILABLE, Code.RDMA_UNAVAILABLE, Code.MOONCAKE_HOST_ONLY,
-                       Code.TRANSFER_UNAVAILABLE})
+                       Code.TRANSFER_UNAVAILABLE, Code.DEVICE_MEMORY_SHORT})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from pdflow.graph.placement import InstancePlan, parallel_of
+from pdflow.graph.placement import InstancePlan
 from pdflow.graph.run_graph import RunGraph
 
 GB = 1e9
@@ -145,18 +145,11 @@ def _cuts_table(graph: RunGraph) -> Table:
 
 
 def _usable_caption(graph: RunGraph) -> str:
-    """Where each side's usable bytes come from (ParallelSpec.usable_bytes)."""
-    parts = []
-    for role in graph.budgets:
-        par = parallel_of(graph.spec, role)
-        if par.memory <= 1.0:
-            parts.append(f"{role}.device_memory_gib {par.device_memory_gib:g} GiB x "
-                         f"{role}.memory {par.memory:g}")
-        else:
-            parts.append(f"{role}.memory {par.memory:g} bytes")
+    """Where each side's usable bytes come from (graph/memory.py)."""
+    parts = [f"{role}: {b.sizing}" for role, b in graph.budgets.items()]
     fixed = [role for role, b in graph.budgets.items() if b.fixed]
     pool = (f"; a (fixed) pool is {', '.join(f'{r}.num_kv_blocks' for r in fixed)}" if fixed else "")
-    return ("usable GB per device = " + "; ".join(parts) + ". blocks = (usable - weights - "
+    return ("usable GB per device: " + "; ".join(parts) + ". blocks = (usable - weights - "
             "activations - transfer buffers) / bytes per block (transfer: the KV pairs' send or receive "
             f"buffers on the stage's busiest rank); the stage with the fewest binds the pool{pool}.")
 
@@ -175,7 +168,8 @@ def _budget_table(graph: RunGraph) -> Table:
                 f"{s.transfer_bytes / GB:.2f}",
                 f"{s.usable_bytes / GB:.2f}",
                 f"{s.blocks:,}",
-                (f"{budget.pool_blocks:,}" + (" (fixed)" if budget.fixed else "")) if s.stage == 0 else "",
+                (f"{budget.pool_blocks:,} blocks = {budget.pool_tokens:,} tokens"
+                 + (" (fixed)" if budget.fixed else "")) if s.stage == 0 else "",
             ))
     columns = [(h, VALUE) for h in ("side", "stage", "MB per block", "weights GB", "activ. GB",
                                     "transfer GB", "usable GB", "blocks")] + [("pool", TEXT)]
@@ -196,17 +190,21 @@ def render(graph: RunGraph, console: Console | None = None) -> None:
     )
     if graph.producer is not None:
         console.print(_instance_table("Producer (prefill)", graph.producer, graph))
-        console.print(_instance_table("Consumer (decode)", graph.consumer, graph))
+    if graph.consumer is not None:
+        title = "Consumer (decode)" if graph.producer is not None else "Decode (monolithic: no prefill instance)"
+        console.print(_instance_table(title, graph.consumer, graph))
     if graph.drafter is not None:
         dp = graph.drafter
+        writer = graph.producer or graph.consumer
         hops = " -> ".join(
-            f"s{s.index}[{','.join(map(str, s.taps_relayed)) or '-'}]" for s in graph.producer.stages
+            f"s{s.index}[{','.join(map(str, s.taps_relayed)) or '-'}]" for s in writer.stages
         )
+        lives = (f"lives on producer stage {dp.drafter_stage} and every consumer rank; producer proposes: "
+                 f"{dp.producer_proposes}" if graph.producer is not None else "lives on every decode rank")
         console.print(
             f"Drafter {dp.kind}: {d.layers} layers, {d.kv_heads} KV heads, page {d.page_tokens}, "
             f"k={d.num_speculative_tokens}; taps {list(dp.taps)} captured on stages "
-            f"{[dp.tap_stage[t] for t in dp.taps]}; relay {hops}; lives on producer stage "
-            f"{dp.drafter_stage} and every consumer rank; producer proposes: {dp.producer_proposes}"
+            f"{[dp.tap_stage[t] for t in dp.taps]}; relay {hops}; {lives}"
         )
     if graph.cuts:
         console.print(_units_table(graph))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pdflow.graph.budget import BlockBudget, block_budget
 from pdflow.graph.checks import check_spec, resolved_taps
 from pdflow.graph.cut import CutPlan, build_cut_plans
+from pdflow.graph.devices import DeviceFacts
+from pdflow.graph.memory import memory_refusals, rank_usable, sharers
 from pdflow.graph.placement import (
     CONSUMER,
     PRODUCER,
@@ -48,6 +50,9 @@ class RunGraph:
     refusals: tuple[Refusal, ...]
     # The KV transfer the run uses (transfer=auto resolved), as ``transfer_label`` names it.
     transfer: str = ""
+    # The GPU memory facts the budgets were sized with (None: the described hardware);
+    # the owner hands them to every rank so each builds this same graph.
+    devices: DeviceFacts | None = None
 
     def validate(self) -> list[Refusal]:
         """Every refusal at once (empty when the deployment is allowed)."""
@@ -98,40 +103,44 @@ def _plain(value):
     return value
 
 
-def build_graph(spec: RunSpec) -> RunGraph:
+def build_graph(spec: RunSpec, devices: DeviceFacts | None = None) -> RunGraph:
+    """``devices``: the GPUs' memory read at start (None: plan for the described
+    hardware). A monolithic run places, checks and sizes its decode instance only."""
     refusals = check_spec(spec)
+    label = transfer_label(spec)
     empty = dict(producer=None, consumer=None, drafter=None, regions=(), cuts=(), budgets={})
     if any(r.code in STRUCTURAL for r in refusals):
-        return RunGraph(spec=spec, refusals=tuple(refusals), transfer=transfer_label(spec), **empty)
+        return RunGraph(spec=spec, refusals=tuple(refusals), transfer=label, devices=devices, **empty)
     taps = [t for t in resolved_taps(spec) if 0 <= t < spec.model.layers]
-    producer, consumer = (
-        place_instance(
-            role,
-            spec.model,
-            parallel_of(spec, role),
-            spec.drafter,
-            taps,
-            device_base=first_device(spec, role),
-        )
-        for role in (PRODUCER, CONSUMER)
-    )
+    roles = (CONSUMER,) if spec.mode == "monolithic" else (PRODUCER, CONSUMER)
+    plans = {
+        role: place_instance(role, spec.model, parallel_of(spec, role), spec.drafter, taps,
+                             device_base=first_device(spec, role))
+        for role in roles
+    }
+    producer, consumer = plans.get(PRODUCER), plans[CONSUMER]
     drafter = None
     if spec.drafter.enabled:
+        writer = producer or consumer  # the instance whose prefill captures the taps
         drafter = DrafterPlan(
             kind=spec.drafter.kind,
             taps=tuple(taps),
-            tap_stage={t: s.index for s in producer.stages for t in s.taps_captured},
-            drafter_stage=producer.stages[-1].index,
+            tap_stage={t: s.index for s in writer.stages for t in s.taps_captured},
+            drafter_stage=writer.stages[-1].index,
             producer_proposes=not spec.drafter.context_kv_only,
         )
-    regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
-    refusals += region_refusals
-    wrong = frozenset(spec.transfer.force_page_ignorant_cut)
-    cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
-    budgets = {}
-    for role, plan in ((PRODUCER, producer), (CONSUMER, consumer)):
+    regions, cuts = [], []
+    if producer is not None:
+        regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
+        refusals += region_refusals
+        wrong = frozenset(spec.transfer.force_page_ignorant_cut)
+        cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
+    shared = sharers(list(plans.values()), spec)
+    budgets, usable = {}, {}
+    for role, plan in plans.items():
+        usable[role], sizing = rank_usable(spec, plan, shared, devices)
         budget = block_budget(role, plan, spec.model, parallel_of(spec, role), spec.drafter, len(taps),
-                              rank_transfer_bytes(spec, cuts, role))
+                              rank_transfer_bytes(spec, cuts, role), usable[role], sizing)
         budgets[role] = budget
         if budget.pool_blocks < 1:
             worst = budget.stages[budget.binding_stage]
@@ -139,13 +148,14 @@ def build_graph(spec: RunSpec) -> RunGraph:
                 Refusal(
                     code=Code.KV_POOL_EMPTY,
                     message=f"{role} stage {worst.stage} has no room for a KV block: "
-                    f"{worst.usable_bytes} usable bytes, {worst.weight_bytes} of weights, "
+                    f"{worst.usable_bytes} usable bytes ({sizing}), {worst.weight_bytes} of weights, "
                     f"{worst.activation_bytes} of activations, {worst.transfer_bytes} of transfer buffers, "
                     f"{worst.bytes_per_block} per block.",
-                    fix=f"raise {role}.memory or device_memory_gib, add pp/tp, or lower "
-                    f"{role}.max_num_batched_tokens.",
+                    fix=f"raise {role}.memory (a fraction of the device) or {role}.device_memory_gib, add "
+                    f"pp/tp, or lower {role}.max_num_batched_tokens.",
                 )
             )
+    refusals += memory_refusals(spec, plans, usable, devices)
     return RunGraph(
         spec=spec,
         producer=producer,
@@ -155,5 +165,6 @@ def build_graph(spec: RunSpec) -> RunGraph:
         cuts=tuple(cuts),
         budgets=budgets,
         refusals=tuple(refusals),
-        transfer=transfer_label(spec),
+        transfer=label,
+        devices=devices,
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from pdflow.graph import parallel_of
+from pdflow.graph.devices import DeviceFacts
 from pdflow.parallel import zygote
 from pdflow.parallel.messages import Message, RankError, RankReady, Shutdown, decode, encode
 from pdflow.spec import RunSpec
@@ -46,6 +47,8 @@ class RankContext:
     rank: int
     world_size: int
     init_method: str
+    # The GPUs' memory the owner read at start, so this rank's graph sizes the owner's pool.
+    devices: DeviceFacts | None = None
 
 
 class Channel:
@@ -127,8 +130,10 @@ class LocalLauncher(Launcher):
     """``target`` names the rank body as ``"package.module:function"``, called with
     (RankContext, Channel) in each rank process."""
 
-    def __init__(self, spec: RunSpec, role: str, target: str, labels: list[str]):
+    def __init__(self, spec: RunSpec, role: str, target: str, labels: list[str],
+                 devices: DeviceFacts | None = None):
         par = parallel_of(spec, role)
+        self.devices = devices
         self.spec, self.role, self.target, self.labels = spec, role, check_target(target), labels
         self.world_size = len(labels)
         self.ready_timeout_s = par.ready_timeout_s
@@ -156,7 +161,7 @@ class LocalLauncher(Launcher):
                 self._exit_fds.append(os.pidfd_open(proc.pid))
         context = RankContext(
             spec=self.spec, role=self.role, rank=rank, world_size=self.world_size,
-            init_method=self.init_method,
+            init_method=self.init_method, devices=self.devices,
         )
         start = RankStart(target=self.target, context=context, sys_path=list(sys.path))
         try:

@@ -29,6 +29,7 @@ from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
+from pdflow.graph.host import read_devices
 from pdflow.spec import RunSpec
 
 
@@ -52,15 +53,16 @@ class Deployment(EngineFacts):
     def __init__(self, spec: RunSpec):
         if not isinstance(spec, RunSpec):
             raise TypeError(f"Deployment needs a RunSpec (pdflow.compose(overrides)), got {type(spec).__name__}")
-        build_graph(spec).raise_if_refused()
+        devices = read_devices(spec)  # once, before either instance allocates
+        build_graph(spec, devices).raise_if_refused()
         self.spec = spec
         self.monolithic = spec.mode == "monolithic"
         self.producer: LLMEngine | None = None
         self.consumer: LLMEngine | None = None
         try:
-            self.consumer = LLMEngine(Instance(spec, CONSUMER))
+            self.consumer = LLMEngine(Instance(spec, CONSUMER, devices))
             if not self.monolithic:
-                self.producer = LLMEngine(Instance(spec, PRODUCER))
+                self.producer = LLMEngine(Instance(spec, PRODUCER, devices))
                 self.producer.instance.pair(self.consumer.instance.open_kv_link())
         except BaseException:
             self.shutdown()

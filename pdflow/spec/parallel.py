@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pdflow.spec.attention import AUTO, resolve_attention_backend
 from pdflow.spec.dtypes import canonical_dtype
 
-GIB = 1 << 30
 PARTITIONS = ("even", "lighter_last")
 
 
@@ -32,11 +31,14 @@ class ParallelSpec:
     # Steps in flight at once; None: one per PP stage (stage 0 starts the next step while
     # later stages finish earlier ones). 1 turns the pipelining off (benchmark baseline).
     max_steps_in_flight: int | None = None
-    # <= 1.0: fraction of one device's memory; > 1.0: bytes.
-    memory: float = 0.1
+    # <= 1.0: the fraction of its device each rank may use (weights + KV + activations),
+    # like vLLM's gpu_memory_utilization; > 1.0: bytes. None: 0.1 on cpu, 0.9 of a GPU,
+    # split between the ranks of the run that share it (one-GPU P/D: 0.45 each).
+    memory: float | None = None
     device: str = "cpu"
-    # CPU-sized defaults (a few hundred MB per rank); GPU experiments set both.
-    device_memory_gib: float = 4.0
+    # The device's size in GiB, overriding it: None reads a GPU's total memory when the
+    # run starts (pdflow plan without a GPU assumes DESCRIBED_GPU_GIB); cpu is 4 GiB.
+    device_memory_gib: float | None = None
     # GPU index of this instance's rank 0 on its host (rank r gets device_offset + r).
     # None: the graph places the prefill from GPU 0 and the decode right after the
     # prefill's ranks, so both sides can share one host (the reference deployment).
@@ -74,13 +76,13 @@ class ParallelSpec:
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition {self.partition!r} is not one of {PARTITIONS}")
-        if self.memory <= 0:
+        if self.memory is not None and self.memory <= 0:
             raise ValueError(f"memory must be a positive fraction or byte count, got {self.memory}")
         if self.max_steps_in_flight is not None and self.max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1 or null, got {self.max_steps_in_flight}")
         if self.device_offset is not None and self.device_offset < 0:
             raise ValueError(f"device_offset must be >= 0 or null, got {self.device_offset}")
-        if self.device_memory_gib <= 0:
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(
@@ -102,8 +104,3 @@ class ParallelSpec:
     @property
     def steps_in_flight(self) -> int:
         return self.max_steps_in_flight or self.pp
-
-    def usable_bytes(self) -> int:
-        """Bytes of one device this instance may use (weights + KV + activations)."""
-        device_bytes = self.device_memory_gib * GIB
-        return int(self.memory * device_bytes if self.memory <= 1.0 else self.memory)

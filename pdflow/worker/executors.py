@@ -144,7 +144,8 @@ class MultiProcessExecutor:
         self.step_timeout_s = par.step_timeout_s
         self.driver = driver_rank(plan)
         self.depth = par.steps_in_flight
-        self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks])
+        self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks],
+                                                  devices=graph.devices)
         self.launcher.start()
         self.world_size = len(plan.ranks)
         self.ready_timeout_s = par.ready_timeout_s

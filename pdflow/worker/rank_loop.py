@@ -25,7 +25,7 @@ from pdflow.worker.stage import build_stage, rank_device
 
 def serve_rank(ctx: RankContext, channel: Channel) -> None:
     spec, role = ctx.spec, ctx.role
-    graph = build_graph(spec).raise_if_refused()
+    graph = build_graph(spec, ctx.devices).raise_if_refused()
     plan = graph.instance(role)
     me = plan.ranks[ctx.rank]
     topo = topology(plan, me)
