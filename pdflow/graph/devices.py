@@ -34,7 +34,7 @@ class DeviceFacts:
         CUDA context in this process), else torch (a context on each probed GPU)."""
         wanted = sorted(set(indices))
         try:
-            return cls(gpus=tuple(_nvml(i) for i in wanted))
+            return cls(gpus=tuple(_own_cache_free(_nvml(i)) for i in wanted))
         except Exception:  # no pynvml, no driver library, NVMLError_*: ask torch instead
             pass
         import torch
@@ -43,8 +43,21 @@ class DeviceFacts:
         for i in wanted:
             if i < torch.cuda.device_count():
                 free, total = torch.cuda.mem_get_info(i)
-                out.append(GpuMemory(index=i, total_bytes=total, free_bytes=free))
+                out.append(_own_cache_free(GpuMemory(index=i, total_bytes=total, free_bytes=free)))
         return cls(gpus=tuple(out))
+
+
+def _own_cache_free(gpu: GpuMemory) -> GpuMemory:
+    """Count as free what this process's torch allocator holds cached but unused (an
+    instance shut down earlier in this process): the next pool reuses it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return gpu
+    idle = torch.cuda.memory_reserved(gpu.index) - torch.cuda.memory_allocated(gpu.index)
+    return GpuMemory(index=gpu.index, total_bytes=gpu.total_bytes,
+                     free_bytes=min(gpu.total_bytes, gpu.free_bytes + max(0, idle)))
 
 
 def _nvml(index: int) -> GpuMemory:
