@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from pdflow.graph import parallel_of
 from pdflow.parallel import zygote
 from pdflow.parallel.messages import Message, RankError, RankReady, Shutdown, decode, encode
+from pdflow.parallel.rendezvous import RankRendezvous, StoreAddress
 from pdflow.spec import RunSpec
 
 
@@ -45,7 +46,7 @@ class RankContext:
     role: str
     rank: int
     world_size: int
-    init_method: str
+    store: StoreAddress  # the owner's rendezvous store (``rendezvous.py``)
 
 
 class Channel:
@@ -91,12 +92,6 @@ def check_target(target: str) -> str:
     return target
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Launcher(ABC):
     @abstractmethod
     def start(self) -> list[RankReady]: ...
@@ -132,8 +127,8 @@ class LocalLauncher(Launcher):
         self.spec, self.role, self.target, self.labels = spec, role, check_target(target), labels
         self.world_size = len(labels)
         self.ready_timeout_s = par.ready_timeout_s
-        host = par.master_addr
-        self.init_method = f"tcp://{host}:{par.master_port or free_port(host)}"
+        self._rendezvous: RankRendezvous | None = None
+        self._rendezvous_args = (par.master_addr, par.master_port, par.step_timeout_s)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._exit_fds: list[int] = []  # pidfds: readable once their rank has exited
@@ -156,7 +151,7 @@ class LocalLauncher(Launcher):
                 self._exit_fds.append(os.pidfd_open(proc.pid))
         context = RankContext(
             spec=self.spec, role=self.role, rank=rank, world_size=self.world_size,
-            init_method=self.init_method,
+            store=self._rendezvous.address,
         )
         start = RankStart(target=self.target, context=context, sys_path=list(sys.path))
         try:
@@ -182,6 +177,8 @@ class LocalLauncher(Launcher):
         )
 
     def start(self) -> list[RankReady]:
+        # Bound here, before any rank exists: ranks connect to a port already listening.
+        self._rendezvous = RankRendezvous(*self._rendezvous_args)
         try:
             for rank in range(self.world_size):
                 self._spawn(rank)
@@ -270,3 +267,6 @@ class LocalLauncher(Launcher):
         for fd in self._exit_fds:
             os.close(fd)
         self._procs, self._conns, self._exit_fds = [], [], []
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
