@@ -139,6 +139,11 @@ class LocalLauncher(Launcher):
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    @property
+    def rendezvous(self) -> StoreAddress | None:
+        """Where this instance's ranks meet (bound from ``start`` until ``shutdown``)."""
+        return None if self._rendezvous is None else self._rendezvous.address
+
     def _spawn(self, rank: int) -> None:
         """One rank process, holding its end of a socket pair (no port, no key to guess)."""
         ours, theirs = socket.socketpair()

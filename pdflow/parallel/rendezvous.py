@@ -24,13 +24,21 @@ class StoreAddress:
     port: int
 
 
+class RendezvousError(RuntimeError):
+    """The owner could not bind its rendezvous store (a fixed ``master_port`` is taken)."""
+
+
 class RankRendezvous:
-    """The owner's end: a bound, listening store (``port`` 0 picks one; a fixed port
-    that is taken raises ``OSError``-like ``RuntimeError`` from torch naming it)."""
+    """The owner's end: a bound, listening store (``port`` 0: the OS picks a free one)."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
+        try:
+            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as err:
+            raise RendezvousError(
+                f"cannot listen for the ranks' rendezvous on {host}:{port} ({err}); "
+                "set the side's master_port to 0 (the default) to let the OS pick a free port") from err
         self.address = StoreAddress(host=host, port=self._store.port)
 
     def close(self) -> None:
