@@ -225,8 +225,22 @@ def take_api_key(args: list[str]) -> list[str]:
     return out
 
 
-def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
-    """A command whose ``module.main()`` is a Hydra app over the overrides in sys.argv."""
+VERBOSE_ENV = "PDFLOW_VERBOSE"  # read by pdflow/transfer/native_log.py (in every rank)
+VERBOSE_FLAGS = {"-v": VERBOSE_ENV, "--verbose": VERBOSE_ENV}
+
+
+def take_flags(args: list[str], flags: dict[str, str]) -> list[str]:
+    """Each of ``flags`` present in ``args`` sets its environment variable to 1 (so rank
+    processes and sweep jobs, which inherit the environment, see it) and leaves ``args``."""
+    for flag, env in flags.items():
+        if flag in args:
+            os.environ[env] = "1"
+    return [a for a in args if a not in flags]
+
+
+def hydra_command(module: str, name: str, flags: dict[str, str] | None = None) -> Callable[[list[str]], int]:
+    """A command whose ``module.main()`` is a Hydra app over the overrides in sys.argv;
+    ``flags`` are its own options (beyond ``-v``), each an environment variable it sets."""
 
     def run(args: list[str]) -> int:
         import importlib
@@ -234,6 +248,7 @@ def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
         if "-h" in args or "--help" in args:
             print(importlib.import_module(module).__doc__)
             return EXIT_OK
+        args = take_flags(args, VERBOSE_FLAGS | (flags or {}))
         try:
             args = take_api_key(args)
         except ValueError as err:
@@ -263,7 +278,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command(
         summary="launch the deployment, run the workload against its API, print the results, "
         "log them to MLflow; -m sweeps (one child run per job)",
-        run=hydra_command("pdflow.cli_run", "run"),
+        run=hydra_command("pdflow.cli_run", "run", {"--all": "PDFLOW_ALL_METRICS"}),
     ),
     "serve": Command(
         summary="launch the deployment behind an OpenAI-compatible API until Ctrl-C",

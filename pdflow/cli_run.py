@@ -1,4 +1,8 @@
-"""``pdflow run [hydra overrides...]``: plan, serve, drive the workload over HTTP, report.
+"""``pdflow run [--all] [-v] [hydra overrides...]``: plan, serve, drive the workload over
+HTTP, report: one row per workload (requests, errors, accuracy, TTFT, ITL, output tok/s,
+draft acceptance, tokens per forward), run-level figures under it. ``--all`` prints every
+metric instead (MLflow logs every metric either way); ``-v`` lets the transfer engine's
+own log lines through.
 
 Each job is one MLflow run (a child of the sweep's parent under ``-m``), opened before
 anything can fail so that a refused plan or a crashed server is a FAILED run with its
@@ -8,7 +12,9 @@ error, not a missing one. The served side is the spec's decode instance for now.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -22,8 +28,13 @@ from pdflow.tracking.params import redact
 from pdflow.tracking.run_logger import TrackedRun
 from pdflow.tracking.tags import hardware_tags
 
+if TYPE_CHECKING:
+    from pdflow.bench.workloads.base import WorkloadResult
+
 CONFIG_PATH = "pkg://pdflow.conf"
 SERVER_GAUGES = ("pdflow_kv_blocks_total", "pdflow_draft_acceptance_rate")
+# Set by ``pdflow run --all`` (an environment variable, so sweep jobs in launcher processes see it).
+ALL_METRICS_ENV = "PDFLOW_ALL_METRICS"
 
 
 def _run_name(cfg: DictConfig) -> str:
@@ -57,17 +68,19 @@ def server_gauges(url: str, api_key: str | None) -> dict[str, float]:
     return out
 
 
-def print_results(name: str, metrics: dict[str, float]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def print_results(name: str, result: WorkloadResult, metrics: dict[str, float]) -> None:
+    """One row per workload and the run-level figures under it; every metric with
+    ``--all`` (``$PDFLOW_ALL_METRICS``)."""
+    from pdflow.tracking.results_table import all_metrics_table, console, run_line, workload_table
 
-    table = Table(title=f"pdflow run: {name}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in sorted(metrics):
-        value = metrics[key]
-        table.add_row(key, f"{value:.4g}" if value != int(value) else str(int(value)))
-    Console().print(table)
+    out = console()
+    if os.environ.get(ALL_METRICS_ENV) == "1":
+        out.print(all_metrics_table(name, metrics))
+        return
+    out.print(workload_table(name, result.per_workload))
+    run_figures = {k: v for k, v in metrics.items() if k not in result.metrics}
+    if run_figures:
+        out.print(run_line(run_figures))
 
 
 def run_job(cfg: DictConfig) -> dict[str, float]:
@@ -98,7 +111,7 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
             result = run_workloads_sync(target, prepared, spec.workload)
             metrics = result.metrics | server_gauges(served.url, served.api_key)
         tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
-        print_results(spec.name, metrics)
+        print_results(spec.name, result, metrics)
         tracked.log_metrics(metrics)
         tracked.log_json("results.json", result.rows)
         from pdflow.tracking.compare import markdown

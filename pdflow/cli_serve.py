@@ -1,5 +1,6 @@
-"""``pdflow serve [hydra overrides...]``: plan, start, wait for /health, print the URL,
-serve until Ctrl-C or SIGTERM, then stop everything and exit 0.
+"""``pdflow serve [-v] [hydra overrides...]``: plan, start, wait for /health, print the URL,
+serve until Ctrl-C or SIGTERM, then stop everything and exit 0. ``-v`` lets the transfer
+engine's own log lines through.
 
 By default the spec's deployment (prefill and decode instances driven from this process)
 on ``serve.host:serve.port``; with ``serve.backends=[URL,...]`` a router over instances

@@ -4,13 +4,13 @@ once per step, so a dead peer leaves the others blocked inside a collective."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from pdflow.parallel.launcher import Channel, RankContext
 from pdflow.parallel.messages import RankReady, Shutdown, StepInput, StepOutput
+from pdflow.parallel.rendezvous import join_process_group
 
 
 def alive(pid: int) -> bool:
@@ -24,13 +24,7 @@ def alive(pid: int) -> bool:
 
 
 def allreduce_rank(ctx: RankContext, channel: Channel) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=ctx.init_method,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=timedelta(seconds=600),
-    )
+    join_process_group(ctx.store, "gloo", ctx.rank, ctx.world_size, 600)
     channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=0))
     while True:
         msg = channel.recv()

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 CHEAP = ["decode=tp1", "workload=prefill", "workload.num_requests=2", "workload.prompt_tokens=8",
          "workload.concurrency=2"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-ENV.pop("PDFLOW_MLFLOW_PARENT_RUN_ID", None)
+for _name in ("PDFLOW_MLFLOW_PARENT_RUN_ID", "PDFLOW_VERBOSE", "PDFLOW_ALL_METRICS", "MC_LOG_LEVEL"):
+    ENV.pop(_name, None)
+# A glog line (Mooncake's C++ logging): severity letter, MMDD, time, thread id.
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.MULTILINE)
 
 
 @pytest.fixture
@@ -52,7 +55,11 @@ def test_run_replays_a_trace_and_logs_one_run_next_to_where_it_started(launch_di
     done = pdflow(tmp_path, "run", "decode=tp1", "drafter=none", "workload=replay", "workload.trace=trace.jsonl",
                   "workload.max_tokens=3")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "pdflow run" in done.stdout and "ttft_mean_s" in done.stdout
+    # One row per workload, not a row per metric (MLflow keeps every metric, below).
+    assert "pdflow run" in done.stdout and re.search(r"│ replay +│ +3 │ +0 │", done.stdout), done.stdout
+    assert "ttft_mean_s" not in done.stdout and "KV blocks:" in done.stdout
+    # P/D over Mooncake TCP: the engines' own glog lines stay quiet by default (-v: below).
+    assert not GLOG_LINE.search(done.stdout + done.stderr), done.stderr[-3000:]
     client, runs = runs_in(tmp_path)
     (run,) = runs
     assert run.info.status == "FINISHED"
@@ -110,8 +117,19 @@ def test_a_failing_sweep_job_marks_its_child_failed_and_the_parent_still_closes(
     assert (parent.data.tags["pdflow.sweep.children"], parent.data.tags["pdflow.sweep.failed"]) == ("2", "2")
 
 
+def test_all_prints_every_metric_the_run_logs(launch_dir):
+    done = pdflow(launch_dir, "run", "--all", "mode=monolithic", *CHEAP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = runs_in(launch_dir)[1]
+    assert len(run.data.metrics) > 15
+    for name in run.data.metrics:
+        assert re.search(rf"│ {name} +│", done.stdout), (name, done.stdout)
+
+
 def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", "decode=tp1", "drafter=none",
+    """With -v: the P/D pair's Mooncake engines log their own lines (quiet by default,
+    as the replay run above shows)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", "-v", "decode=tp1", "drafter=none",
                              "serve.port=0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=ENV)
     try:
@@ -134,3 +152,5 @@ def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
             proc.wait()
     assert proc.returncode == 0, out
     assert "pdflow serve: stopped" in out
+    everything = "".join(seen) + out
+    assert GLOG_LINE.search(everything) and "Local segment descriptor not found" in everything, everything[-3000:]

@@ -10,6 +10,7 @@ import torch
 from pdflow.engine.llm import run_spec_for
 from pdflow.graph import build_graph
 from pdflow.parallel.launcher import RankContext
+from pdflow.parallel.rendezvous import StoreAddress
 from pdflow.spec import ModelSpec, ParallelSpec
 from pdflow.spec.load import compose_spec
 from pdflow.worker import rank_loop
@@ -93,9 +94,9 @@ def test_serve_rank_sets_the_graphs_gpu(graph_of, monkeypatch):
     def stop(*args, **kwargs):
         raise _Stop
 
-    monkeypatch.setattr(rank_loop.dist, "init_process_group", stop)
+    monkeypatch.setattr(rank_loop, "join_process_group", stop)
     for rank in range(4):
-        ctx = RankContext(spec=spec, role="decode", rank=rank, world_size=4, init_method="tcp://x:1")
+        ctx = RankContext(spec=spec, role="decode", rank=rank, world_size=4, store=StoreAddress(host="x", port=1))
         with pytest.raises(_Stop):
             rank_loop.serve_rank(ctx, channel=None)
     assert chosen == [torch.device("cuda", i) for i in (4, 5, 6, 7)]

@@ -30,13 +30,14 @@ def tracked_copy(dest: Path) -> Path:
 
 
 def dependency_dirs() -> list[str]:
-    """This interpreter's package folders (venv and, when visible, system ones), without
-    the checkout: the .pth lists plain folders, so no editable-install hook of pdflow
-    inside them runs."""
+    """This interpreter's package folders (venv and, when visible, system ones), never
+    the checkout itself. A venv inside the checkout (``.venv/``, as the README makes) is
+    kept: its site-packages holds the dependencies. The .pth lists plain folders, so no
+    editable-install hook of pdflow inside them runs."""
     return [
         p for p in sys.path
         if p and Path(p).name in ("site-packages", "dist-packages")
-        and not Path(p).resolve().is_relative_to(REPO)
+        and Path(p).resolve() != REPO
     ]
 
 

@@ -4,7 +4,6 @@ logits (all-reduced o_proj/MLP, all-gathered LM head)."""
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
@@ -40,9 +39,9 @@ def _run(drafter):
     )).logits
 
 
-def _rank(rank: int, port: int, folder: str, out: str) -> None:
+def _rank(rank: int, rendezvous: str, folder: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     set_tp_group(None)
     try:
@@ -63,12 +62,6 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp2_ranks_hold_their_heads_and_propose_the_tp1_logits(tmp_path):
     graph = small_graph("dspark")
@@ -79,10 +72,10 @@ def test_tp2_ranks_hold_their_heads_and_propose_the_tp1_logits(tmp_path):
     save_drafter(drafter, tmp_path)
     torch.save({"embed": target.model.embed_tokens.weight.detach().clone(),
                 "head": target.lm_head.weight.detach().clone()}, tmp_path / "shared.pt")
-    port = _free_port()
+    rendezvous = str(tmp_path / "rendezvous")  # a file: no port to race other tests for
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), outs[r])) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, rendezvous, str(tmp_path), outs[r])) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -173,3 +173,20 @@ def test_runner_refuses_when_every_request_failed():
     with ServerThread(FastAPI()) as server, pytest.raises(WorkloadFailed, match="all 2 prefill requests failed"):
         asyncio.run(run_workloads(Target(url=server.url, model="m"), prepare([w]),
                                   spec(kind="prefill", num_requests=2)))
+
+
+def test_runner_keeps_each_workloads_own_figures_beside_the_prefixed_flat_metrics():
+    """``accuracy`` (arith then needle) against a server that answers "abc": the table's
+    rows come from ``per_workload``, unprefixed, with each workload's accuracy metric."""
+    s = spec(kind="accuracy", num_requests=1, k_shot=0, context_len=1024, max_tokens=320, depths=[0.5],
+             concurrency=2)
+    with ServerThread(paced_server(0.0)) as server:
+        result = asyncio.run(run_workloads(Target(url=server.url, model="m"), prepare(build_workloads(s, vocab=128)),
+                                           s))
+    assert list(result.per_workload) == ["arith", "needle"]
+    for name, own in result.per_workload.items():
+        assert own["requests"] == result.metrics[f"{name}_requests"] and own["errors"] == 0
+        assert own["ttft_p50_s"] == result.metrics[f"{name}_ttft_p50_s"]
+        assert "arith_ttft_p50_s" not in own and "needle_ttft_p50_s" not in own
+    assert result.per_workload["arith"]["accuracy"] == result.metrics["arith_strict"] == 0.0
+    assert result.per_workload["needle"]["accuracy"] == result.metrics["needle_accuracy"] == 0.0

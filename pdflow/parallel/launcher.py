@@ -27,6 +27,7 @@ from pdflow.graph import parallel_of
 from pdflow.graph.devices import DeviceFacts
 from pdflow.parallel import zygote
 from pdflow.parallel.messages import Message, RankError, RankReady, Shutdown, decode, encode
+from pdflow.parallel.rendezvous import RankRendezvous, StoreAddress
 from pdflow.spec import RunSpec
 
 
@@ -46,7 +47,7 @@ class RankContext:
     role: str
     rank: int
     world_size: int
-    init_method: str
+    store: StoreAddress  # the owner's rendezvous store (``rendezvous.py``)
     # The GPUs' memory the owner read at start, so this rank's graph sizes the owner's pool.
     devices: DeviceFacts | None = None
 
@@ -94,12 +95,6 @@ def check_target(target: str) -> str:
     return target
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Launcher(ABC):
     @abstractmethod
     def start(self) -> list[RankReady]: ...
@@ -137,8 +132,8 @@ class LocalLauncher(Launcher):
         self.spec, self.role, self.target, self.labels = spec, role, check_target(target), labels
         self.world_size = len(labels)
         self.ready_timeout_s = par.ready_timeout_s
-        host = par.master_addr
-        self.init_method = f"tcp://{host}:{par.master_port or free_port(host)}"
+        self._rendezvous: RankRendezvous | None = None
+        self._rendezvous_args = (par.master_addr, par.master_port, par.step_timeout_s)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._exit_fds: list[int] = []  # pidfds: readable once their rank has exited
@@ -148,6 +143,11 @@ class LocalLauncher(Launcher):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def rendezvous(self) -> StoreAddress | None:
+        """Where this instance's ranks meet (bound from ``start`` until ``shutdown``)."""
+        return None if self._rendezvous is None else self._rendezvous.address
 
     def _spawn(self, rank: int) -> None:
         """One rank process, holding its end of a socket pair (no port, no key to guess)."""
@@ -161,7 +161,7 @@ class LocalLauncher(Launcher):
                 self._exit_fds.append(os.pidfd_open(proc.pid))
         context = RankContext(
             spec=self.spec, role=self.role, rank=rank, world_size=self.world_size,
-            init_method=self.init_method, devices=self.devices,
+            store=self._rendezvous.address, devices=self.devices,
         )
         start = RankStart(target=self.target, context=context, sys_path=list(sys.path))
         try:
@@ -187,6 +187,8 @@ class LocalLauncher(Launcher):
         )
 
     def start(self) -> list[RankReady]:
+        # Bound here, before any rank exists: ranks connect to a port already listening.
+        self._rendezvous = RankRendezvous(*self._rendezvous_args)
         try:
             for rank in range(self.world_size):
                 self._spawn(rank)
@@ -275,3 +277,6 @@ class LocalLauncher(Launcher):
         for fd in self._exit_fds:
             os.close(fd)
         self._procs, self._conns, self._exit_fds = [], [], []
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None

@@ -50,7 +50,8 @@ class ParallelSpec:
     attention_backend: str = AUTO
     # True: never replay CUDA graphs for decode steps (they need CUDA and the triton backend).
     enforce_eager: bool = False
-    # torch.distributed rendezvous of this instance's ranks; port 0 picks a free one.
+    # torch.distributed rendezvous of this instance's ranks: a store the owner binds
+    # before any rank starts (port 0: the OS picks a free one, atomically).
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     # Seconds a rank may take to start, and a step to answer, before the instance fails.

@@ -48,11 +48,13 @@ from pdflow.spec import TransferSpec
 from pdflow.transfer.descriptors import Descriptors, UnitRegion
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.lanes import Lanes
+from pdflow.transfer.native_log import quiet_native_log, set_mooncake_level
 
 __all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError", "TransferStats"]
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU; needs Debian's libibverbs1) "
                 "or mooncake-transfer-engine (CUDA), never both")
+INIT_ATTEMPTS = 3
 # Bytes per registration: strictly under 2 GiB.
 REGISTRATION_LIMIT = (1 << 31) - 1
 
@@ -79,8 +81,7 @@ class MooncakeTransport:
             raise ValueError(f"MooncakeTransport serves transfer.backend=mooncake, not {spec.backend!r}")
         if spec.protocol == "tcp":  # `protocol` only picks the allocator; discovery picks the transport
             os.environ.setdefault("MC_FORCE_TCP", "1")
-        # The engine logs every batch at INFO; keep its warnings and errors only.
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        set_mooncake_level()  # quiet unless -v (native_log.py), before the library loads
         try:
             from mooncake.engine import TransferEngine
         except ImportError as err:  # the wheel, or a shared library it needs, is missing
@@ -88,10 +89,17 @@ class MooncakeTransport:
         host = spec.host or host
         self.spec = spec
         self.registration_limit = registration_limit
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", spec.protocol, spec.device)
-        if rc != 0:
-            raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned {rc}")
+        # The engine picks its own RPC and data ports; another process can take one between
+        # its pick and its bind, so a failed initialize is retried with a fresh engine.
+        for attempt in range(INIT_ATTEMPTS):
+            with quiet_native_log() as dropped:
+                self.engine = TransferEngine()
+                rc = self.engine.initialize(host, "P2PHANDSHAKE", spec.protocol, spec.device)
+            if rc == 0:
+                break
+            if attempt + 1 == INIT_ATTEMPTS:
+                raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned "
+                                    f"{rc} {INIT_ATTEMPTS} times; its log:\n{dropped.text()}")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self.stats = TransferStats()
         self._stats_lock = threading.Lock()

@@ -8,7 +8,6 @@ torch.distributed; the last stage samples and its first TP rank answers the owne
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from pdflow.model.layers import set_tp_group
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
 from pdflow.parallel.messages import ControlMessage, ExportDone, RankReady, Shutdown, StepInput
+from pdflow.parallel.rendezvous import join_process_group
 from pdflow.worker.control import handle_control
 from pdflow.worker.stage import build_stage, rank_device
 
@@ -36,10 +36,8 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     # Ranks of a 2-core CPU machine share it; one thread each avoids oversubscription.
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", init_method=ctx.init_method,
-        rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=par.step_timeout_s),
-    )
+    join_process_group(ctx.store, "nccl" if device.type == "cuda" else "gloo", ctx.rank, ctx.world_size,
+                       par.step_timeout_s)
     mine = None
     for ranks in tp_group_ranks(plan):  # every rank creates every group, in one order
         group = dist.new_group(list(ranks))

@@ -45,16 +45,21 @@ class RequestResult:
 @dataclass(kw_only=True, slots=True)
 class WorkloadResult:
     """``metrics``: flat name -> number (what MLflow logs); ``rows``: one per request
-    (the results table); ``breakdowns``: titled name -> value series for plots."""
+    (results.json); ``breakdowns``: titled name -> value series for plots; ``per_workload``:
+    each workload's own figures, unprefixed (latency and task metrics, plus ``accuracy``
+    where the workload names one), for the one-row-per-workload table."""
 
     name: str
     metrics: dict[str, float]
     rows: list[dict]
     breakdowns: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_workload: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Workload(Protocol):
     name: str
+    # The task metric that is this workload's accuracy (the table's column); None: none.
+    accuracy_metric: str | None
 
     def requests(self) -> list[WorkRequest]: ...
 

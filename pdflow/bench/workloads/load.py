@@ -29,6 +29,7 @@ class PrefillWorkload:
     two share a prefix, so no cache hit), one output token each."""
 
     name = "prefill"
+    accuracy_metric = None
 
     def __init__(self, spec: WorkloadSpec, *, vocab: int):
         self.spec, self.vocab = spec, vocab
@@ -49,6 +50,7 @@ class ServeWorkload:
     (outputs run to length: ``ignore_eos``), Poisson arrivals at ``request_rate``."""
 
     name = "serve"
+    accuracy_metric = None
 
     def __init__(self, spec: WorkloadSpec, *, vocab: int):
         self.spec, self.vocab = spec, vocab
@@ -79,6 +81,7 @@ class ReplayWorkload:
     did). Arrivals scale by ``time_scale``."""
 
     name = "replay"
+    accuracy_metric = None
     KEYS = {"arrival_s", "prompt", "prompt_tokens", "max_tokens"}
 
     def __init__(self, spec: WorkloadSpec, *, vocab: int, base_dir: Path | None = None):

@@ -53,6 +53,7 @@ async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpe
     metrics: dict[str, float] = {}
     rows: list[dict] = []
     breakdowns: dict[str, dict[str, float]] = {}
+    per_workload: dict[str, dict[str, float]] = {}
     for workload, requests in prepared:
         results, wall = await drive(target, requests, concurrency=spec.concurrency,
                                     timeout_s=spec.request_timeout_s, progress=spec.progress,
@@ -62,11 +63,17 @@ async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpe
                                  f"{results[0].error}")
         task, parts = workload.score(requests, results)
         prefix = f"{workload.name}_" if len(prepared) > 1 else ""
-        metrics |= {prefix + k: v for k, v in latency_metrics(results, wall).items()} | task
+        latency = latency_metrics(results, wall)
+        metrics |= {prefix + k: v for k, v in latency.items()} | task
+        own = latency | task
+        if workload.accuracy_metric is not None:
+            own["accuracy"] = task[workload.accuracy_metric]
+        per_workload[workload.name] = {k: float(v) for k, v in own.items() if not math.isnan(v)}
         breakdowns |= parts
         rows += _rows(workload.name, requests, results)
     finite = {k: float(v) for k, v in metrics.items() if not math.isnan(v)}
-    return WorkloadResult(name=spec.kind, metrics=finite, rows=rows, breakdowns=breakdowns)
+    return WorkloadResult(name=spec.kind, metrics=finite, rows=rows, breakdowns=breakdowns,
+                          per_workload=per_workload)
 
 
 def run_workloads_sync(target: Target, prepared: list[tuple], spec: WorkloadSpec) -> WorkloadResult:

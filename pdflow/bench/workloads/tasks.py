@@ -24,6 +24,7 @@ class ArithWorkload:
     """``num_requests`` held-out problems as ``k_shot`` prompts fitting ``context_len``."""
 
     name = "arith"
+    accuracy_metric = "arith_strict"
 
     def __init__(self, spec: WorkloadSpec):
         self.spec = spec
@@ -55,6 +56,7 @@ class NeedleWorkload:
     """``num_requests`` held-out facts at each depth of a ``context_len`` haystack."""
 
     name = "needle"
+    accuracy_metric = "needle_accuracy"
 
     def __init__(self, spec: WorkloadSpec):
         self.spec = spec
