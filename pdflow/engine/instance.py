@@ -8,6 +8,8 @@ in ``LLMEngine``, which drives one instance.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdflow.engine.executor import Executor, make_executor
@@ -43,6 +45,7 @@ class Instance:
     def __init__(self, spec: RunSpec, role: str = CONSUMER):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        began = time.monotonic()
         self.spec, self.role = spec, role
         self.graph = build_graph(spec).raise_if_refused()
         self.plan: InstancePlan = self.graph.instance(role)
@@ -52,6 +55,9 @@ class Instance:
         self.num_kv_blocks = self.graph.budgets[role].pool_blocks
         self.max_model_len = served_max_model_len(self.graph, role, self.config)
         self.executor: Executor | None = make_executor(self.graph, role)
+        # Seconds to ready (ranks built and warmed up), and of those spent compiling.
+        self.startup_s = time.monotonic() - began
+        self.compile_s = self.executor.compile_s
 
     @property
     def ranks(self) -> tuple[RankPlan, ...]:
