@@ -77,11 +77,11 @@ def test_ranks_load_the_cpu_op_in_their_warm_up_before_healthy_and_requests_comp
         pytest.skip("PDFLOW_CPU_KERNELS=0 turns the CPU decode op off")
     from pdflow.cli_run import server_gauges
     from pdflow.serve.launch import serve_spec
-    from pdflow.spec import compose_spec
+    from pdflow import compose
 
     log = tmp_path / "compile.jsonl"
     monkeypatch.setenv(jit_build.COMPILE_LOG_ENV, str(log))
-    spec = compose_spec(["mode=monolithic", "decode=tp2", "drafter=none", "tracking=off"])
+    spec = compose(["mode=monolithic", "decode=tp2", "drafter=none", "tracking=off"])
     with serve_spec(spec, port=0) as served:
         assert httpx.get(f"{served.url}/health").status_code == 200
         ready = _events(log)
