@@ -105,7 +105,7 @@ def warm_up(stage, *, announce: str | None = None) -> float:
     if not stage.warm_tokens:
         return 0.0
     cuda = device.type == "cuda"
-    if not cuda and not cpu_decode.enabled():
+    if not cuda and not uses_cpu_op(stage):
         return 0.0
     split_of = None
     if cuda:
@@ -149,6 +149,14 @@ def warm_up(stage, *, announce: str | None = None) -> float:
         torch.cuda.synchronize(device)
     log_event("warm_up_end", announce)
     return time.monotonic() - began
+
+
+def uses_cpu_op(stage) -> bool:
+    """Whether this CPU stage's decode steps run the compiled op (torch backend, fp32):
+    the only thing that compiles on CPU."""
+    attn = stage.model.attention_layers()
+    return (cpu_decode.enabled() and bool(attn) and attn[0].backend.name == "torch"
+            and next(iter(stage.kv.caches.values())).dtype == torch.float32)
 
 
 def _say(label: str | None, i: int, total: int, what: str) -> None:
