@@ -71,7 +71,7 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None) -> list[Shap
     classes.append(ShapeClass(name=f"short step {short}", q_lens=(short,), context_lens=(n,)))
     verify = min(n, ROWS_AS_DECODE)
     classes.append(ShapeClass(name=f"verify {verify} rows", q_lens=(verify,), context_lens=(n,)))
-    for b in decode_batches(max_num_seqs, split_of):
+    for b in decode_batches(min(max_num_seqs, n), split_of):  # a step holds at most n tokens
         lens = tuple(max(1, n - 7 * i) for i in range(b))
         classes.append(ShapeClass(name=f"decode batch {b}", q_lens=(1,) * b, context_lens=lens))
     return classes
