@@ -37,17 +37,21 @@ def test_gpu_shape_classes_meet_every_integer_class_split_count_and_step_path():
     assert {max(c.q_lens) for c in rows} >= {ROWS_AS_DECODE}  # a verify's rows
     assert any(sum(c.q_lens) > ROWS_AS_DECODE for c in rows)  # a short step
     assert {_int_class(len(c.q_lens)) for c in decode} == {"one", "x16", "other"}
-    assert {_splits(len(c.q_lens)) for c in decode} == {_splits(b) for b in range(1, 65)}
+    # eager decode rows reach SHORT_STEP_ROWS (a short step's rows), past max_num_seqs
+    assert {_splits(len(c.q_lens)) for c in decode} == {_splits(b) for b in range(1, SHORT_STEP_ROWS + 1)}
     for c in classes:
         assert sum(c.q_lens) <= 512 and max(c.context_lens) <= 512
         assert all(q <= ctx for q, ctx in zip(c.q_lens, c.context_lens, strict=True))
 
 
-def test_decode_batches_stay_within_the_batch_and_are_few():
+def test_decode_batches_stay_within_the_rows_and_skip_what_graphs_take():
     assert decode_batches(1, _splits) == [1]
     batches = decode_batches(64, _splits)
     assert max(batches) <= 64 and {1, 3, 16} <= set(batches)
     assert len(batches) <= len({_splits(b) for b in range(1, 65)}) + 3  # one per split count, and 1, 3, 16
+    graphed = decode_batches(128, _splits, eager_from=65)
+    assert [b for b in graphed if b <= 64] == [1, 3, 16]  # graph captures compiled those splits
+    assert {_splits(b) for b in graphed if b > 64} == {_splits(b) for b in range(65, 129)}
 
 
 def test_cpu_warm_up_is_one_decode_step_and_warm_steps_write_nothing():
@@ -75,9 +79,9 @@ def test_ranks_load_the_cpu_op_in_their_warm_up_before_healthy_and_requests_comp
     builds or warms up nothing, and /metrics and ``pdflow run``'s gauges carry the time."""
     if os.environ.get("PDFLOW_CPU_KERNELS", "1") == "0":
         pytest.skip("PDFLOW_CPU_KERNELS=0 turns the CPU decode op off")
+    from pdflow import compose
     from pdflow.cli_run import server_gauges
     from pdflow.serve.launch import serve_spec
-    from pdflow import compose
 
     log = tmp_path / "compile.jsonl"
     monkeypatch.setenv(jit_build.COMPILE_LOG_ENV, str(log))

@@ -37,25 +37,29 @@ class ShapeClass:
     context_lens: tuple[int, ...]
 
 
-def decode_batches(max_num_seqs: int, split_of) -> list[int]:
-    """Decode batch sizes that between them meet every integer class of the row count (1,
-    odd, a multiple of 16) and every split count ``split_of(batch)`` the decode kernel
-    picks (a constexpr: one compile each) up to ``max_num_seqs``."""
-    sizes = {b for b in (1, 3, 16) if b <= max_num_seqs}
-    seen = {split_of(b) for b in sizes}
-    for b in range(1, max_num_seqs + 1):
+def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]:
+    """Decode batch sizes (rows) that between them meet every integer class of the row
+    count (1, odd, a multiple of 16) and every split count ``split_of(rows)`` the decode
+    kernel picks (a constexpr: one compile each) for the rows that run eagerly: from
+    ``eager_from`` (smaller batches replay a captured graph) up to ``max_rows``."""
+    sizes = {b for b in (1, 3, 16) if b <= max_rows}
+    seen: set[int] = set()
+    for b in range(eager_from, max_rows + 1):
         if (s := split_of(b)) not in seen:
             seen.add(s)
             sizes.add(b)
     return sorted(sizes)
 
 
-def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None) -> list[ShapeClass]:
+def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows: int = 0) -> list[ShapeClass]:
     """What a rank's steps can look like, within ``tokens`` new tokens a step (contexts
     too: the pool holds them). On CPU
     (``split_of`` None) only the decode op compiles: one decode step loads it. On a GPU:
     a long prefill (the %16 class), a chunk after a prefix and a two-sequence prefill (odd
-    lengths), a short step and a verify (rows as decode), and decode batches."""
+    lengths), a short step and a verify (rows as decode), and decode batches: one per
+    split count of the decode kernel among the row counts no captured graph takes (up to
+    ``graphed_rows`` a decode step replays a graph, whose capture compiled its splits;
+    short steps bring up to SHORT_STEP_ROWS rows)."""
     n = max(1, tokens)
     if split_of is None:
         return [ShapeClass(name="decode", q_lens=(1,), context_lens=(n,))]
@@ -71,7 +75,8 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None) -> list[Shap
     classes.append(ShapeClass(name=f"short step {short}", q_lens=(short,), context_lens=(n,)))
     verify = min(n, ROWS_AS_DECODE)
     classes.append(ShapeClass(name=f"verify {verify} rows", q_lens=(verify,), context_lens=(n,)))
-    for b in decode_batches(min(max_num_seqs, n), split_of):  # a step holds at most n tokens
+    rows = min(n, max(max_num_seqs, SHORT_STEP_ROWS))  # a step holds at most n tokens
+    for b in decode_batches(rows, split_of, eager_from=graphed_rows + 1):
         lens = tuple(max(1, n - 7 * i) for i in range(b))
         classes.append(ShapeClass(name=f"decode batch {b}", q_lens=(1,) * b, context_lens=lens))
     return classes
@@ -115,7 +120,8 @@ def warm_up(stage, *, announce: str | None = None) -> float:
         split_of = lambda b: default_splits(b, h_kv, device, None)  # noqa: E731
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
-    classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of)
+    classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
+                            graphed_rows=stage.graphs.max_batch if stage.graphs is not None else 0)
     total = len(classes) + (1 if stage.graphs is not None else 0) + (1 if stage.drafted_graphs is not None else 0)
     dtype = next(stage.model.parameters()).dtype
     log_event("warm_up_begin", announce)
