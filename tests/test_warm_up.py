@@ -107,3 +107,29 @@ def test_ranks_load_the_cpu_op_in_their_warm_up_before_healthy_and_requests_comp
         assert gauges["compile_s"] > 0
         text = httpx.get(f"{served.url}/metrics").text
         assert "pdflow_startup_seconds" in text and "pdflow_compile_seconds" in text
+
+
+@pytest.mark.slow
+def test_the_gpu_warm_up_with_a_drafter_changes_no_output_and_leaves_no_state():
+    """The GPU's warm-up (every class, the drafter's eager step included) run on a CPU
+    stage before any request: greedy tokens and accepted drafts equal a stage without it,
+    and no warm-up request is left in the drafter's ledger."""
+    from pdflow import SamplingParams
+    from pdflow.engine.llm import LLM
+    from pdflow.spec.load import compose_spec
+    from pdflow.worker.warm_up import warm_up
+
+    spec = compose_spec(["mode=monolithic", "decode=tp1", "drafter=dspark", "tracking=off",
+                         "decode.max_num_batched_tokens=300"])
+    prompts = ["Question: Mira has 12 apples. Mira buys 7 more apples. How many apples does Mira have now?\n"
+               "Answer:", "Question: Tom has 3 pens."]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM.from_run_spec(spec, role="decode") as cold:
+        want = [(o.token_ids, o.num_accepted) for o in cold.generate(prompts, greedy)]
+    with LLM.from_run_spec(spec, role="decode") as warm:
+        stage = warm.engine.instance.executor.stage
+        assert warm_up(stage, full=True) > 0
+        assert not stage.drafting.proposed and not stage.drafting.drafter.ledger.valid
+        got = [(o.token_ids, o.num_accepted) for o in warm.generate(prompts, greedy)]
+    assert got == want
+    assert sum(a for _, a in want) > 0  # drafts were accepted: the draft pool was read

@@ -35,6 +35,8 @@ class ShapeClass:
     name: str
     q_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
+    # Drafts at the tail of each sequence's rows (a verify of [anchor, drafts]).
+    drafts: int = 0
 
 
 def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]:
@@ -51,7 +53,8 @@ def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]
     return sorted(sizes)
 
 
-def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows: int = 0) -> list[ShapeClass]:
+def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows: int = 0,
+                  num_drafts: int = 0) -> list[ShapeClass]:
     """What a rank's steps can look like, within ``tokens`` new tokens a step (contexts
     too: the pool holds them). On CPU
     (``split_of`` None) only the decode op compiles: one decode step loads it. On a GPU:
@@ -59,7 +62,8 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
     lengths), a short step and a verify (rows as decode), and decode batches: one per
     split count of the decode kernel among the row counts no captured graph takes (up to
     ``graphed_rows`` a decode step replays a graph, whose capture compiled its splits;
-    short steps bring up to SHORT_STEP_ROWS rows)."""
+    short steps bring up to SHORT_STEP_ROWS rows). With ``num_drafts`` k, the verify is
+    [anchor, k drafts]."""
     n = max(1, tokens)
     if split_of is None:
         return [ShapeClass(name="decode", q_lens=(1,), context_lens=(n,))]
@@ -73,8 +77,9 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
         classes.append(ShapeClass(name=f"prefill 2 x {half}", q_lens=(half, half), context_lens=(half, n)))
     short = min(n, SHORT_STEP_ROWS) - 1 or 1
     classes.append(ShapeClass(name=f"short step {short}", q_lens=(short,), context_lens=(n,)))
-    verify = min(n, ROWS_AS_DECODE)
-    classes.append(ShapeClass(name=f"verify {verify} rows", q_lens=(verify,), context_lens=(n,)))
+    verify = min(n, num_drafts + 1 if num_drafts else ROWS_AS_DECODE)
+    classes.append(ShapeClass(name=f"verify {verify} rows", q_lens=(verify,), context_lens=(n,),
+                              drafts=verify - 1 if num_drafts else 0))
     rows = min(n, max(max_num_seqs, SHORT_STEP_ROWS))  # a step holds at most n tokens
     for b in decode_batches(rows, split_of, eager_from=graphed_rows + 1):
         lens = tuple(max(1, n - 7 * i) for i in range(b))
@@ -84,7 +89,9 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
 
 def warm_step(shape: ShapeClass, block_size: int, number: int) -> StepInput:
     """The step of ``shape``: positions at the tail of each context, every slot -1 (no
-    K/V is written), block tables over the pool's first blocks, the last row sampled."""
+    K/V is written), block tables over the pool's first blocks, the last row sampled; for
+    a drafter, the context before the rows adopted (held in the pool) and released at
+    the next step."""
     ids, positions, cu, tables = [], [], [0], []
     for q, ctx in zip(shape.q_lens, shape.context_lens, strict=True):
         positions += range(ctx - q, ctx)
@@ -97,23 +104,28 @@ def warm_step(shape: ShapeClass, block_size: int, number: int) -> StepInput:
     return StepInput(step=-1 - number, seq_ids=seqs, token_ids=ids, positions=positions,
                      slot_mapping=[-1] * len(ids), cu_seqlens_q=cu, context_lens=list(shape.context_lens),
                      block_tables=tables, sample_rows=[c - 1 for c in cu[1:]], sample_seq_ids=seqs,
-                     sampling=[SamplingSpec() for _ in seqs], released_seq_ids=seqs)
+                     sampling=[SamplingSpec() for _ in seqs],
+                     num_drafts=[shape.drafts] * len(seqs) if shape.drafts else [],
+                     next_token_ids=[-1] * len(seqs),
+                     context_adopt=[ctx - q for q, ctx in zip(shape.q_lens, shape.context_lens, strict=True)])
 
 
 @torch.inference_mode()
-def warm_up(stage, *, announce: str | None = None) -> float:
-    """Run every shape class through ``stage``, then capture its graphs; the seconds it
-    took. ``announce``: a label for counted progress lines on stderr (one rank per
-    instance says them)."""
+def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> float:
+    """Run every shape class through ``stage`` (its drafter's part too), then capture its
+    graphs; the seconds it took. ``announce``: a label for counted progress lines on
+    stderr (one rank per instance says them). ``full``: the GPU's classes (default: on a
+    GPU; on CPU only the decode op compiles, and one decode step loads it)."""
     began = time.monotonic()
     device = stage.runner.device
     if not stage.warm_tokens:
         return 0.0
     cuda = device.type == "cuda"
-    if not cuda and not uses_cpu_op(stage):
+    full = cuda if full is None else full
+    if not full and not uses_cpu_op(stage):
         return 0.0
     split_of = None
-    if cuda:
+    if full:
         from pdflow.kernels.decode_attention import default_splits
 
         h_kv = next(iter(stage.kv.caches.values())).shape[2]
@@ -121,7 +133,8 @@ def warm_up(stage, *, announce: str | None = None) -> float:
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
-                            graphed_rows=stage.graphs.max_batch if stage.graphs is not None else 0)
+                            graphed_rows=stage.graphs.max_batch if stage.graphs is not None else 0,
+                            num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0)
     total = len(classes) + (1 if stage.graphs is not None else 0) + (1 if stage.drafted_graphs is not None else 0)
     dtype = next(stage.model.parameters()).dtype
     log_event("warm_up_begin", announce)
@@ -133,8 +146,11 @@ def warm_up(stage, *, announce: str | None = None) -> float:
         inputs = ids if stage.hidden_in is None else torch.zeros(n, stage.hidden_in, dtype=dtype, device=device)
         taps = (torch.zeros(n, stage.relayed_in * stage.hidden_in, dtype=dtype, device=device)
                 if stage.relayed_in else None)
-        hidden, _ = stage.runner.forward(inputs, positions, meta, taps)
-        if stage.model.lm_head is not None:
+        hidden, taps_out = stage.runner.forward(inputs, positions, meta, taps)
+        if full and stage.drafting is not None:  # its eager step: context write, verify, propose
+            stage.draft(step, ids, positions, meta, hidden, taps_out)
+            stage.drafting.release(step.seq_ids)
+        elif stage.model.lm_head is not None:
             stage.runner.logits(step, hidden)
     done = len(classes)
     if stage.graphs is not None:
