@@ -120,7 +120,7 @@ def test_the_gpu_warm_up_with_a_drafter_changes_no_output_and_leaves_no_state():
     from pdflow.worker.warm_up import warm_up
 
     spec = compose_spec(["mode=monolithic", "decode=tp1", "drafter=dspark", "tracking=off",
-                         "decode.max_num_batched_tokens=300"])
+                         "decode.max_num_batched_tokens=16"])  # small steps: a quick test
     prompts = ["Question: Mira has 12 apples. Mira buys 7 more apples. How many apples does Mira have now?\n"
                "Answer:", "Question: Tom has 3 pens."]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
