@@ -58,10 +58,12 @@ def test_cpu_warm_up_is_one_decode_step_and_warm_steps_write_nothing():
     (only,) = shape_classes(512, max_num_seqs=64)
     assert only.q_lens == (1,)
     for i, shape in enumerate(shape_classes(300, max_num_seqs=8, split_of=_splits)):
-        step = warm_step(shape, 16, i)
+        step = warm_step(shape, 16, i, num_blocks=10, lookahead=8)
         assert set(step.slot_mapping) == {-1} and step.step < 0
         assert step.cu_seqlens_q[-1] == len(step.token_ids) == len(step.positions)
-        assert all(len(t) * 16 >= ctx for t, ctx in zip(step.block_tables, step.context_lens, strict=True))
+        # the table covers the context and a proposal's 8 positions past it, within the pool
+        assert all(len(t) * 16 >= ctx + 8 for t, ctx in zip(step.block_tables, step.context_lens, strict=True))
+        assert max(max(t) for t in step.block_tables) < 10
     assert SHORT_STEP_ROWS < 300
 
 

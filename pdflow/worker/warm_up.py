@@ -87,9 +87,12 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
     return classes
 
 
-def warm_step(shape: ShapeClass, block_size: int, number: int) -> StepInput:
+def warm_step(shape: ShapeClass, block_size: int, number: int, *, num_blocks: int,
+              lookahead: int = 0) -> StepInput:
     """The step of ``shape``: positions at the tail of each context, every slot -1 (no
-    K/V is written), block tables over the pool's first blocks, the last row sampled; for
+    K/V is written), block tables over the pool's first blocks (wrapping within its
+    ``num_blocks``), covering ``lookahead`` positions past the context (where a drafter's
+    proposal writes, as the scheduler reserves them), the last row sampled; for
     a drafter, the context before the rows adopted (held in the pool) and released at
     the next step."""
     ids, positions, cu, tables = [], [], [0], []
@@ -97,7 +100,7 @@ def warm_step(shape: ShapeClass, block_size: int, number: int) -> StepInput:
         positions += range(ctx - q, ctx)
         ids += [0] * q
         cu.append(cu[-1] + q)
-        tables.append(list(range(-(-ctx // block_size))))
+        tables.append([b % num_blocks for b in range(-(-(ctx + lookahead) // block_size))])
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
     seqs = [f"warm-up-{i}" for i in range(len(shape.q_lens))]
@@ -140,7 +143,8 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
     log_event("warm_up_begin", announce)
     for i, shape in enumerate(classes):
         _say(announce, i + 1, total, shape.name)
-        step = warm_step(shape, block, i)
+        step = warm_step(shape, block, i, num_blocks=stage.kv.num_blocks,
+                         lookahead=stage.drafting.num_drafts + 1 if stage.drafting is not None else 0)
         ids, positions, meta = stage.runner.tensors(step)
         n = len(step.token_ids)
         inputs = ids if stage.hidden_in is None else torch.zeros(n, stage.hidden_in, dtype=dtype, device=device)
