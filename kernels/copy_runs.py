@@ -166,6 +166,32 @@ def copy_plan(plan: torch.Tensor, ids: torch.Tensor, k: int, first: int, stop: i
                                                      REVERSE=reverse)
 
 
+def compile_copies(device: torch.device, max_words: int, *, groups: int | None, reverse: bool,
+                   programs: int = 0) -> None:
+    """Compile, without running, what a pair's copies will launch on ``device``: ``copy_plan``
+    for a plan of ``groups`` rows (its integers are not specialized: one compile), or with
+    ``groups`` None ``copy_runs`` (the strided form for each integer class of its slice
+    count: 1, x16, other). Why: a pair's first request otherwise waits on Triton."""
+    block, parts = _slices(max(max_words, 1))
+    big = 1 << 40  # an address: typed int64 like a real one
+    with torch.cuda.device(device):
+        if groups is not None:
+            plan = torch.zeros(groups, PLAN_FIELDS, dtype=torch.int64, device=device)
+            if programs > 0:
+                _copy_plan_strided_kernel.warmup(plan, big, 2, 2, big, 2, parts, GROUPS=groups, BLOCK=block,
+                                                 REVERSE=reverse, grid=(1,))
+            else:
+                _copy_plan_kernel.warmup(plan, big, 2, 2, big, GROUPS=groups, BLOCK=block, REVERSE=reverse,
+                                         grid=(1, 1))
+            return
+        table = torch.zeros(1, 3, dtype=torch.int64, device=device)
+        if programs > 0:
+            for n_slices in {parts, 16 * parts, 3 * parts}:
+                _copy_runs_strided_kernel.warmup(table, 0, n_slices, parts, BLOCK=block, REVERSE=reverse, grid=(1,))
+        else:
+            _copy_runs_kernel.warmup(table, 0, BLOCK=block, REVERSE=reverse, grid=(1, 1))
+
+
 def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:
     """The same copy with memmove (host memory only)."""
     for a, b, words in table.tolist():

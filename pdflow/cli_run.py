@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import hydra
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
     from pdflow.bench.workloads.base import WorkloadResult
 
 CONFIG_PATH = "pkg://pdflow.conf"
-SERVER_GAUGES = ("pdflow_kv_blocks_total", "pdflow_draft_acceptance_rate")
+SERVER_GAUGES = ("pdflow_kv_blocks_total", "pdflow_draft_acceptance_rate", "pdflow_compile_seconds")
+# Gauges logged under a run metric's name of their own.
+GAUGE_NAMES = {"compile_seconds": "compile_s"}
 # Set by ``pdflow run --all`` (an environment variable, so sweep jobs in launcher processes see it).
 ALL_METRICS_ENV = "PDFLOW_ALL_METRICS"
 
@@ -64,7 +67,8 @@ def server_gauges(url: str, api_key: str | None) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in SERVER_GAUGES and not math.isnan(sample.value):
-                out[sample.name.removeprefix("pdflow_")] = sample.value
+                name = sample.name.removeprefix("pdflow_")
+                out[GAUGE_NAMES.get(name, name)] = sample.value
     return out
 
 
@@ -106,10 +110,12 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
             raise GraphRefused(refusals)
         workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
-        with serve_spec(spec, port=0) as served:
+        began = time.monotonic()
+        with serve_spec(spec, port=0) as served:  # healthy: every rank built and warmed up
+            startup_s = time.monotonic() - began
             target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
             result = run_workloads_sync(target, prepared, spec.workload)
-            metrics = result.metrics | server_gauges(served.url, served.api_key)
+            metrics = result.metrics | server_gauges(served.url, served.api_key) | {"startup_s": startup_s}
         tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
         print_results(spec.name, result, metrics)
         tracked.log_metrics(metrics)

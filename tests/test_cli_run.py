@@ -65,6 +65,8 @@ def test_run_replays_a_trace_and_logs_one_run_next_to_where_it_started(launch_di
     assert run.info.status == "FINISHED"
     assert run.data.metrics["requests"] == 3 and run.data.metrics["errors"] == 0
     assert run.data.metrics["output_tokens"] == 2 + 3 + 3  # max_tokens per line, else the workload's
+    # Start-up, warm-up included, and the part of it spent compiling (before any request).
+    assert run.data.metrics["startup_s"] >= run.data.metrics["compile_s"] > 0
     assert run.data.tags["pdflow.choice.workload"] == "replay" and run.data.params["decode.tp"] == "1"
     assert "workload.trace=trace.jsonl" in run.data.tags["pdflow.overrides"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

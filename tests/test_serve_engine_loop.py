@@ -24,6 +24,7 @@ class ScriptedBackend:
 
     max_model_len, vocab_size, tokenizer = 64, 100, None
     num_kv_blocks, block_size = 8, 16
+    startup_s = compile_s = 0.0  # a script compiles nothing
 
     def __init__(self, *, fail_after: int | None = None, draft: bool = False, step_s: float = 0.0):
         self.step_s = step_s

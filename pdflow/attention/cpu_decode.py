@@ -128,13 +128,18 @@ def build_folder() -> Path:
     return jit_build.build_directory(module_name())
 
 
+def enabled() -> bool:
+    """Whether the op is wanted (``PDFLOW_CPU_KERNELS=0`` turns it off)."""
+    return os.environ.get("PDFLOW_CPU_KERNELS", "1") != "0"
+
+
 def op():
     """The compiled op, or None (disabled, no compiler, or a build elsewhere that never
     finishes): callers fall back."""
     global _op, _tried
     if not _tried:
         _tried = True
-        if os.environ.get("PDFLOW_CPU_KERNELS", "1") != "0":
+        if enabled():
             try:
                 _op = jit_build.load_inline_op(
                     module_name(), folder=build_folder(), what="the CPU decode op",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import sys
 import time
@@ -30,6 +31,9 @@ FLOCK_FILE = "pdflow.flock"
 # say that we are waiting.
 WAIT_S = float(os.environ.get("PDFLOW_BUILD_WAIT_S", "900"))
 SAY_WAITING_AFTER_S = 10.0
+# A file to append compile events to (JSON lines: event, what, pid, time), for tests that
+# check where builds and warm-ups happen across processes; unset, nothing is written.
+COMPILE_LOG_ENV = "PDFLOW_COMPILE_LOG"
 
 
 def python_tag() -> str:
@@ -64,6 +68,17 @@ def build_directory(
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def log_event(event: str, *, what: str = "") -> None:
+    """Append one event to ``$PDFLOW_COMPILE_LOG`` when it is set (one short write in
+    append mode: lines of several processes do not interleave)."""
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps({"event": event, "what": what, "pid": os.getpid(), "time": time.time()})
+    with open(path, "a") as f:
+        f.write(line + "\n")
 
 
 @contextlib.contextmanager
@@ -104,8 +119,10 @@ def load_inline_op(
     from torch.utils.cpp_extension import load_inline
 
     with build_lock(folder, what=what):
-        if not (folder / f"{module}.so").exists():
+        built = (folder / f"{module}.so").exists()
+        if not built:
             say(f"pdflow: compiling {what} (first use, ~1 min; cached in {folder})...")
+        log_event("load" if built else "build", what=what)
         return load_inline(
             module, cpp_sources=source, functions=functions, extra_cflags=cflags,
             extra_ldflags=ldflags, build_directory=str(folder),

@@ -34,3 +34,13 @@ class EngineFacts:
     @property
     def num_free_kv_blocks(self) -> int:
         return self.engine.num_free_kv_blocks
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds from the instance's start to ready (its ranks built and warmed up)."""
+        return self.engine.instance.startup_s
+
+    @property
+    def compile_s(self) -> float:
+        """Of those, seconds spent compiling (the CPU op's build, the ranks' warm-ups)."""
+        return self.engine.instance.compile_s

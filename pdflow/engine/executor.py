@@ -22,6 +22,8 @@ class Executor(Protocol):
     # Overlap scheduling: ``submit`` returns with the step's samples still on the device,
     # and the next step may name them as placeholders (StepInput.placeholder_rows).
     overlap: bool
+    # Seconds spent compiling before the first step (the CPU op's build, rank warm-ups).
+    compile_s: float
 
     def submit(self, step: StepInput) -> None: ...
 

@@ -8,6 +8,8 @@ in ``LLMEngine``, which drives one instance.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdflow.engine.executor import Executor, make_executor
@@ -46,6 +48,7 @@ class Instance:
         """``devices``: the GPUs' memory read at start (None: read here when a side is on cuda)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        began = time.monotonic()
         self.spec, self.role = spec, role
         self.graph = build_graph(spec, devices or read_devices(spec)).raise_if_refused()
         self.plan: InstancePlan = self.graph.instance(role)
@@ -55,6 +58,9 @@ class Instance:
         self.num_kv_blocks = self.graph.budgets[role].pool_blocks
         self.max_model_len = served_max_model_len(self.graph, role, self.config)
         self.executor: Executor | None = make_executor(self.graph, role)
+        # Seconds to ready (ranks built and warmed up), and of those spent compiling.
+        self.startup_s = time.monotonic() - began
+        self.compile_s = self.executor.compile_s
 
     @property
     def ranks(self) -> tuple[RankPlan, ...]:

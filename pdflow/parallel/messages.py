@@ -14,6 +14,8 @@ class RankReady(msgspec.Struct, tag=True, kw_only=True):
     rank: int
     pid: int
     num_kv_blocks: int
+    # Seconds the rank's start-up warm-up took (compiles, graph captures) before this.
+    warm_up_s: float = 0.0
 
 
 class SamplingSpec(msgspec.Struct, kw_only=True):

@@ -46,6 +46,14 @@ class ServingBackend(Protocol):
     def num_free_kv_blocks(self) -> int: ...
 
     @property
+    def startup_s(self) -> float:
+        """Seconds its instances took to be ready, warm-up included."""
+
+    @property
+    def compile_s(self) -> float:
+        """Of those, seconds spent compiling (before the first request, never in one)."""
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block (admission reserves whole blocks)."""
 
@@ -99,6 +107,14 @@ class LLMBackend:
     @property
     def num_free_kv_blocks(self) -> int:
         return self.llm.num_free_kv_blocks
+
+    @property
+    def startup_s(self) -> float:
+        return self.llm.startup_s
+
+    @property
+    def compile_s(self) -> float:
+        return self.llm.compile_s
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         return self.llm.submit([prompt_token_ids], sampling)[0]

@@ -300,6 +300,15 @@ class Deployment(EngineFacts):
     def max_model_len(self) -> int:
         return min(e.max_model_len for e in (self.producer, self.consumer) if e is not None)
 
+    @property
+    def startup_s(self) -> float:
+        """Both instances' start-ups (built one after the other)."""
+        return sum(e.instance.startup_s for e in (self.producer, self.consumer) if e is not None)
+
+    @property
+    def compile_s(self) -> float:
+        return sum(e.instance.compile_s for e in (self.producer, self.consumer) if e is not None)
+
     def free_kv_blocks(self) -> dict[str, int]:
         """Free blocks of each live instance (equal to its pool when idle: no leak)."""
         return {role: e.num_free_kv_blocks for role, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))

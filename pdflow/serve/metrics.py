@@ -45,6 +45,10 @@ class ServeMetrics:
               registry=r).set_function(lambda: backend.num_kv_blocks - backend.num_free_kv_blocks)
         Gauge(f"{p}_draft_acceptance_rate", "Accepted / proposed speculative tokens (NaN: none).",
               registry=r).set_function(self._acceptance)
+        Gauge(f"{p}_startup_seconds", "Seconds the instances took to be ready, warm-up included.",
+              registry=r).set_function(lambda: backend.startup_s)
+        Gauge(f"{p}_compile_seconds", "Seconds of the start-up spent compiling (CPU op, kernels, graphs).",
+              registry=r).set_function(lambda: backend.compile_s)
         Gauge(f"{p}_requests_running", "Requests in the engine.", registry=r).set_function(num_active)
 
     def _acceptance(self) -> float:

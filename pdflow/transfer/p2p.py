@@ -101,6 +101,8 @@ class P2PPeer:
         self.table = RunTable(plan, caches, "src") if self.device.type == "cuda" else None
         self.host_base = None  # mooncake: this side's registered host staging
         self._pair()
+        if self.table is not None:  # the first request must not wait on Triton
+            self.table.compile_copies(reverse=False, programs=self.copy_programs, direct=self.mover == "peer")
 
     def _pair(self) -> None:
         """Connect to the consumer rank and set the pair up (its hello, its answer, the way

@@ -251,6 +251,8 @@ class _Session:
         sources = {u.name: u.bytes_per_block for u in lis.graph.rank(PRODUCER, hello.producer_rank).units}
         on_gpu = lis.device.type == "cuda" and hello.mover != "peer"
         self.table = RunTable(plan, lis.caches, "dst") if on_gpu else None
+        if self.table is not None:  # the first request must not wait on Triton
+            self.table.compile_copies(reverse=True, programs=lis.spec.copy_programs)
         self.chunks = request_chunks(plan)
         self.pool = pool_blocks(plan, lis.caches)
         return ready, (plan, buf, group, sources)

@@ -17,6 +17,7 @@ bounds come from the plan's arithmetic on the host, so no chunk rebuilds or move
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,21 @@ class RunTable:
         # with offsets and lengths filled once, the block ids' pinned host copy and device
         # copy. A request rewrites only the addresses.
         self._template = functools.lru_cache(maxsize=TEMPLATES)(self._build_template)
+
+    def compile_copies(self, *, reverse: bool, programs: int, direct: bool = False) -> None:
+        """At pairing, compile the copy kernels this side's requests launch (``copy_plan``,
+        or ``copy_runs`` for direct peer writes), so the first request does not wait on
+        Triton. A failure costs only that wait: it is warned about, not raised."""
+        if self.device.type != "cuda":
+            return
+        try:
+            from pdflow.kernels.copy_runs import compile_copies
+
+            compile_copies(self.device, self.max_words, groups=None if direct else self.plan.shape[0],
+                           reverse=reverse, programs=programs)
+        except Exception as exc:  # speed only: the copies compile at first use instead
+            warnings.warn(f"copy kernels compile at the first transfer ({type(exc).__name__}: {str(exc)[:200]})",
+                          RuntimeWarning, stacklevel=2)
 
     def ids(self, blocks: Sequence[int]) -> torch.Tensor:
         """The request's block ids where ``copy_plan`` reads them, on the rows' device: one

@@ -170,6 +170,10 @@ class Drafting:
             self.proposed[sid] = (run, None)
         return DraftedStep(tokens=emitted, logprobs=logprobs, drafts=drafts)
 
+    def release(self, seq_ids: list[str]) -> None:
+        """Forget these requests (the warm-up's, once its steps ran)."""
+        self._release(seq_ids)
+
     def _release(self, seq_ids: list[str]) -> None:
         self.drafter.release(seq_ids)
         for sid in seq_ids:

@@ -17,6 +17,7 @@ from pdflow.parallel.messages import ControlMessage, ExportDone, Message, StepIn
 from pdflow.worker.control import handle_control
 from pdflow.worker.overlap_step import LaunchedStep, launch
 from pdflow.worker.stage import Stage, build_stage, rank_device
+from pdflow.worker.warm_up import compile_seconds, prebuild
 
 RANK_TARGET = "pdflow.worker.rank_loop:serve_rank"
 
@@ -52,6 +53,8 @@ class InProcessExecutor:
             torch.cuda.set_device(self.device)
         self.graph, self.role = graph, role
         self.stage: Stage | None = None
+        # Seconds spent compiling before the first step (the CPU op's build, the warm-up).
+        self.compile_s = 0.0
         self._build()
         self.overlap = overlap_scheduling(graph.spec, role)
         self.depth = 2 if self.overlap else 1
@@ -61,8 +64,9 @@ class InProcessExecutor:
 
     @on_own_device
     def _build(self) -> None:
+        built_s = prebuild(self.graph, self.role)
         self.stage = build_stage(self.graph, self.role, 0, self.device)
-        self.stage.warm_up()
+        self.compile_s = compile_seconds(built_s, [self.stage.warm_up(announce=f"{self.role} instance")])
 
     @on_own_device
     def submit(self, step: StepInput) -> None:
@@ -146,7 +150,11 @@ class MultiProcessExecutor:
         self.depth = par.steps_in_flight
         self.launcher = launcher or LocalLauncher(spec, role, RANK_TARGET, [r.label for r in plan.ranks],
                                                   devices=graph.devices)
-        self.launcher.start()
+        built_s = prebuild(graph, role)  # before any rank starts: they load it, never race to build it
+        readies = self.launcher.start()
+        # Seconds spent compiling before the first step: the build above, then the ranks'
+        # warm-ups (at once: the slowest counts).
+        self.compile_s = compile_seconds(built_s, [r.warm_up_s for r in readies])
         self.world_size = len(plan.ranks)
         self.ready_timeout_s = par.ready_timeout_s
         # Steps submitted, oldest first: (step number, whether every rank answers ExportDone).

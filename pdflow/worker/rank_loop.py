@@ -46,11 +46,12 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     set_tp_group(mine if par.tp > 1 else None)
 
     stage = build_stage(graph, role, ctx.rank, device)
-    stage.warm_up()
+    warm_up_s = stage.warm_up(announce=f"{role} instance" if ctx.rank == 0 else None)
     hidden_size, dtype = stage.config.hidden_size, TORCH_DTYPES[spec.model.dtype]
     relayed_in = len(plan.stages[me.stage - 1].taps_relayed) if me.stage > 0 else 0
     relays_out = bool(plan.stages[me.stage].taps_relayed)
-    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=stage.kv.num_blocks))
+    channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=stage.kv.num_blocks,
+                           warm_up_s=warm_up_s))
 
     with torch.inference_mode():
         while True:

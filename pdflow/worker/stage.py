@@ -8,7 +8,6 @@ units, taps, block count) it asks the run graph.
 from __future__ import annotations
 
 import gc
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import torch
 
 from pdflow.attention.backends import get_backend
 from pdflow.attention.kv_cache import TORCH_DTYPES, KVCacheBinding
-from pdflow.attention.metadata import AttentionMetadata
 from pdflow.graph import RankPlan, RunGraph, parallel_of
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
@@ -30,8 +28,9 @@ from pdflow.worker.drafter_build import build_rank_drafter
 from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
+from pdflow.worker.warm_up import warm_up
 
-# Tokens of the start-up prefill: enough to take the kernels' prefill paths.
+# New tokens of the largest warm-up step: enough to take the kernels' prefill paths.
 WARM_UP_TOKENS = 512
 # Rows the decode graphs capture at most when steps verify drafts (one decode row per
 # token, stage_runner.ROWS_AS_DECODE): a batch of 64 at k=7; larger verifies run eagerly.
@@ -94,8 +93,9 @@ class Stage:
     # and how many relayed tap rows come with them.
     hidden_in: int | None = None
     relayed_in: int = 0
-    # Tokens of the start-up prefill that compiles the kernels (0: no warm-up).
+    # New tokens a warm-up step takes at most (0: no warm-up), and the batch it covers.
     warm_tokens: int = 0
+    max_num_seqs: int = 1
     # P/D: this rank's end of the KV transfer, once the owner opened it.
     link: KVLink | None = None
     # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
@@ -123,41 +123,11 @@ class Stage:
         hidden, taps = self.runner.forward(inputs, positions, meta, taps_in)
         return hidden, taps, False
 
-    @torch.inference_mode()
-    def warm_up(self) -> None:
-        """On a GPU, compile the kernels with one prefill that writes nothing (every slot
-        -1) and capture the decode graphs now, so the first request runs as fast as the
-        hundredth. Every TP peer of the stage calls it at start, together."""
-        device = self.runner.device
-        if device.type != "cuda" or not self.warm_tokens:
-            return
-        n, dtype = self.warm_tokens, self.kv.caches[next(iter(self.kv.caches))].dtype
-        if self.hidden_in is None:
-            inputs = torch.zeros(n, dtype=torch.int64, device=device)
-        else:
-            inputs = torch.zeros(n, self.hidden_in, dtype=dtype, device=device)
-        taps = (torch.zeros(n, self.relayed_in * self.hidden_in, dtype=dtype, device=device)
-                if self.relayed_in else None)
-        block = self.kv.units[next(iter(self.kv.units))].block_size
-        meta = AttentionMetadata(
-            decode_only=False, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-            block_tables=torch.arange(-(-n // block), dtype=torch.int32, device=device)[None],
-            max_seqlen_q=n,
-        )
-        self.runner.forward(inputs, torch.arange(n, device=device), meta, taps)
-        if self.graphs is not None:
-            self.graphs.capture()
-        if self.drafted_graphs is not None:
-            try:
-                self.drafted_graphs.capture()
-            except Exception as exc:  # a drafted step that cannot be captured costs speed only
-                warnings.warn(f"drafted steps run eagerly: capturing them failed ({type(exc).__name__}: "
-                              f"{str(exc)[:300]})", RuntimeWarning, stacklevel=2)
-                self.drafted_graphs.release()
-                self.drafted_graphs = None
-        torch.cuda.synchronize(device)
+    def warm_up(self, *, announce: str | None = None) -> float:
+        """Compile and capture everything this stage's steps can meet (``warm_up``
+        module), before the rank answers ready; the seconds it took. Every TP peer of the
+        stage calls it at start, together."""
+        return warm_up(self, announce=announce)
 
     def export(self, exports: list[KVExport]) -> dict[str, str]:
         """Write the step's finished prompts to the consumer; the requests that failed."""
@@ -261,6 +231,7 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
     warm = min(WARM_UP_TOKENS, par.max_num_batched_tokens, pool_tokens)
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
                  graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm,
+                 max_num_seqs=par.max_num_seqs,
                  drafting=drafting, draft_kv=draft_kv, drafted_graphs=drafted_graphs)
 
 
