@@ -12,6 +12,7 @@ import torch
 from pdflow.attention.kv_cache import TORCH_DTYPES
 from pdflow.graph.units import UnitSpec
 from pdflow.spec import TransferSpec
+from pdflow.transfer.grants import kv_nonce, pairing_token
 from pdflow.transfer.mooncake_engine import INSTALL_HINT
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -121,3 +122,13 @@ def wrong_units(graph, producer_caches, consumer_caches, requests, *, blocks_onl
 def producer_caches_of(graph, num_blocks: int) -> dict[int, dict[str, torch.Tensor]]:
     """Every producer rank's caches: random bytes, seeded by rank (any process rebuilds them)."""
     return {r.rank: caches_for(r.units, num_blocks, fill="random", seed=r.rank + 1) for r in graph.producer.ranks}
+
+
+# The pairing key the tests' listeners hold (``transfer.grants``), its token, and a send
+# with the nonce the consumer's owner would grant.
+KEY = bytes(range(32))
+PAIRING = pairing_token(KEY)
+
+
+def send(peer, src_blocks, dst_blocks, request_id: str = "r") -> None:
+    peer.send(src_blocks, dst_blocks, request_id, kv_nonce(KEY, dst_blocks))
