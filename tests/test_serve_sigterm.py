@@ -45,12 +45,16 @@ def _group(pgid: int) -> list[int]:
     return out
 
 
-def _terminate(proc: subprocess.Popen, role: str) -> None:
-    """SIGTERM to the server alone (its ranks get nothing from outside): exit 0, and its
-    group empty soon after."""
+def _terminate(proc: subprocess.Popen, role: str, *, group: bool) -> None:
+    """SIGTERM to the server alone, or to its whole process group (its rank processes too,
+    as a service manager stopping a control group does): exit 0, and its group empty soon
+    after."""
     assert proc.poll() is None, f"{role} ended before SIGTERM"
     pgid = proc.pid
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(pgid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -81,7 +85,9 @@ def _complete(url: str) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
-def test_every_separately_started_role_exits_0_on_sigterm():
+@pytest.mark.parametrize("group", [False, True], ids=["server", "group"])
+def test_every_separately_started_role_exits_0_on_sigterm(group):
+    """Decode first, while its producer and the router still hold connections to it."""
     procs = []
     try:
         decode = _start("role=decode")
@@ -92,16 +98,17 @@ def test_every_separately_started_role_exits_0_on_sigterm():
         router = _start("role=router", f"serve.prefill=[{prefill_url}]", f"serve.decode=[{decode_url}]")
         procs.append(router)
         _complete(_url_of(router))  # paired, transferred, decoded
-        for proc, role in ((router, "router"), (prefill, "prefill"), (decode, "decode")):
-            _terminate(proc, role)
+        for proc, role in ((decode, "decode"), (prefill, "prefill"), (router, "router")):
+            _terminate(proc, role, group=group)
     finally:
         _kill_all(procs)
 
 
-def test_the_default_deployment_exits_0_on_sigterm():
+@pytest.mark.parametrize("group", [False, True], ids=["server", "group"])
+def test_the_default_deployment_exits_0_on_sigterm(group):
     proc = _start()
     try:
         _complete(_url_of(proc))
-        _terminate(proc, "the default deployment")
+        _terminate(proc, "the default deployment", group=group)
     finally:
         _kill_all([proc])
