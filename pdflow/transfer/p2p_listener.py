@@ -170,7 +170,7 @@ class _Session:
                         self._serve_request(*setup)
         except (ConnectionError, OSError, TimeoutError, msgspec.DecodeError) as err:  # the producer left, a
             # deadline passed, or a frame that is no message
-            if not isinstance(err, PeerClosed | ConnectionResetError):
+            if not isinstance(err, PeerClosed | ConnectionResetError) and not self.listener._closed.is_set():
                 print(f"p2p: consumer rank {self.listener.rank} closes a pair: {type(err).__name__}: {err}",
                       file=sys.stderr, flush=True)
         except RuntimeError:  # torch.distributed: a receive's error or timeout
