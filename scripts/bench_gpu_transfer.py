@@ -36,10 +36,17 @@ from pdflow import compose  # noqa: E402
 from pdflow.attention.kv_cache import TORCH_DTYPES  # noqa: E402
 from pdflow.graph import CONSUMER, PRODUCER, build_graph  # noqa: E402
 from pdflow.transfer.descriptors import Descriptors  # noqa: E402
+from pdflow.transfer.grants import kv_nonce, pairing_token  # noqa: E402
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity  # noqa: E402
 from pdflow.transfer.packing import packed_nbytes  # noqa: E402
 
 BLOCK = 128
+KEY = bytes(32)  # the listeners' pairing key (``transfer.grants``): the bench grants its own requests
+PAIRING = pairing_token(KEY)
+
+
+def send(peer, src, dst) -> None:
+    peer.send(src, dst, "bench", kv_nonce(KEY, dst))
 
 
 def graph_for(model: str, page: int, device: str, staging_mib: int, transfer: str = "nccl", ramp: int = 0,
@@ -91,7 +98,7 @@ def consumer(args, rank: int, inbox, outbox, base_path: str) -> None:
         mine = caches(graph.rank(CONSUMER, rank).units, blocks, device, seed=None)
         # The buffer as given: this bench allocates its caches itself, so the graph's pool
         # (which would size the buffer to the longest request it holds) is not this one.
-        listener = P2PListener(graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer,
+        listener = P2PListener(key=KEY, graph=graph, rank=rank, caches=mine, spec=graph.spec.transfer,
                                buffer_bytes=args.staging_mib << 20, transport=_transport(graph))
         outbox.put((rank, listener.address, device_identity(device)))
         while True:
@@ -135,7 +142,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             plan = cut.over(set(mine))
             units = graph.rank(CONSUMER, cut.consumer_rank).units
             peers[cut.consumer_rank] = P2PPeer(
-                address=addresses[cut.consumer_rank][0], consumer_device=addresses[cut.consumer_rank][1], plan=plan,
+                pairing=PAIRING, address=addresses[cut.consumer_rank][0],
+                consumer_device=addresses[cut.consumer_rank][1], plan=plan,
                 caches=mine, dst_block_bytes={u.name: u.bytes_per_block for u in units}, producer_rank=0,
                 spec=graph.spec.transfer, transport=_transport(graph))
         for tokens in args.tokens:
@@ -145,8 +153,8 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
             row = {"transfer": label(transfer, ramp, programs), "page": page, "tokens": tokens}
             for rank, peer in peers.items():
                 nbytes = packed_nbytes(peer.plan, n)
-                secs = _timed(lambda p=peer: p.send(src, dst), args.reps, device)
-                behind = _behind_step(lambda p=peer: p.send(src, dst), args.reps, device, cycles)
+                secs = _timed(lambda p=peer: send(p, src, dst), args.reps, device)
+                behind = _behind_step(lambda p=peer: send(p, src, dst), args.reps, device, cycles)
                 row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9, _rate(nbytes, behind))
             peer = peers.get(1)
             if peer is not None and peer.mover == "mooncake":  # Mooncake's own rate: one bare host write
@@ -155,7 +163,7 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.remote[0], bare),
                                                     args.reps, device) / 1e9
             row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
-                lambda: [p.send(src, dst) for p in peers.values()], args.reps, device) / 1e9
+                lambda: [send(p, src, dst) for p in peers.values()], args.reps, device) / 1e9
             nbytes = row["r1"][1]
             queues[1].put(("baseline", nbytes, args.reps + 2 + (args.reps if cycles else 0)))  # _timed, _behind_step
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)

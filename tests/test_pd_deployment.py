@@ -58,6 +58,8 @@ LAYOUTS = {  # PP2 -> TP2 runs in the prefix-cache test below
     "tp4->tp2": ["prefill=tp4", "decode=tp2"],
     "tp4->tp1": ["prefill=tp4", "decode=tp1"],
     "pp2->tp1": ["prefill=pp2", "decode=tp1"],
+    # Mooncake's direct writes (every cut run in place, no staging): the mover RDMA runs.
+    "tp1->tp2 direct": ["prefill=tp1", "decode=tp2", "transfer.staging=false"],
 }
 
 

@@ -1,7 +1,10 @@
 """Security of what pdflow exposes: loopback unless told otherwise, the API key on every
 route but /health (instance and router, every route the apps declare, so a new route
-cannot slip past), ``--api-key``, and the P/D side channel, which serves only the peers
-that paired with it and survives garbage (real ZMQ and Mooncake on loopback)."""
+cannot slip past), ``--api-key``, and the served P/D pairs (``transfer.grants``): a
+consumer rank's listener refuses a hello without its pairing token and a transfer whose
+nonce does not grant the blocks it names, writes nothing for either, survives garbage,
+and serves the real producer after all of it (real sockets: Gloo, Mooncake TCP on
+loopback)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,15 @@ import socket
 
 import httpx
 import pytest
+import torch
 from fastapi.routing import APIRoute
 from serve_fixtures import KEY, MODEL
 
 from pdflow.serve.api import create_app
 from pdflow.serve.router import create_router
 from pdflow.serve.server import ServerThread
+from pdflow.transfer.errors import TransferError
+from pdflow.transfer.p2p import P2PListener, P2PPeer
 
 
 def test_everything_binds_loopback_by_default():
@@ -25,13 +31,15 @@ def test_everything_binds_loopback_by_default():
     assert compose_spec([]).serve.host == "127.0.0.1"
     with ServerThread(create_router(["http://127.0.0.1:9"])) as server:
         assert server.sock.getsockname()[0] == "127.0.0.1"
-    from pdflow.transfer import Endpoint
+    from pdflow.graph import build_graph
 
-    endpoint = Endpoint()
+    graph = build_graph(compose_spec(["transfer=nccl", "prefill=tp1", "decode=tp1"]))
+    caches = {u.name: torch.zeros(u.cache_shape(2)) for u in graph.consumer.ranks[0].units}
+    listener = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
     try:
-        assert endpoint.address.startswith("tcp://127.0.0.1:")
+        assert listener.address.startswith("127.0.0.1:")
     finally:
-        endpoint.close()
+        listener.close()
 
 
 def _calls(app) -> list[tuple[str, str]]:
@@ -87,73 +95,136 @@ def test_api_key_flag_goes_to_the_environment_not_to_hydra(monkeypatch):
         take_api_key(["--api-key"])
 
 
-# -- the P/D side channel ----------------------------------------------------------------------
+# -- the served P/D pairs ----------------------------------------------------------------------
 
 transfer_kit = pytest.importorskip("transfer_kit")
-transports = transfer_kit.transports
 one_torch_thread = transfer_kit.one_torch_thread
-OVERRIDES = ["prefill=tp1", "decode=tp1", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
-             "transfer.staging_mib=16", "transfer.timeout_s=3", "transfer.retry_backoff_s=0.05"]
+transports = transfer_kit.transports
+PAIR = ["prefill=tp1", "decode=tp1", "drafter=none", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
+        "prefill.block_size=32", "decode.block_size=32", "transfer.timeout_s=5"]
+MOVERS = ["nccl", pytest.param("mooncake_tcp", marks=transfer_kit.needs_mooncake)]
 
 
-@transfer_kit.needs_mooncake
-def test_the_side_channel_serves_only_paired_peers_and_survives_garbage(graph_of, transports):
-    """Forged wants (unpaired instance, wrong pairing nonce, another reply address) are
-    refused and write nothing; a thousand random and mutated frames are dropped; the real
-    peer is served after all of it."""
-    import msgspec
-    import torch
-    import zmq
+class OnePair:
+    """Consumer rank 0's listener (keyed with ``transfer_kit.KEY``, poisoned caches) and
+    producer rank 0's caches: a pair is made per test, with whatever token it presents."""
 
-    from pdflow.transfer import Endpoint, KVDone
-    from pdflow.transfer.messages import encode
+    def __init__(self, graph, transports):
+        self.graph, self.spec = graph, graph.spec.transfer
+        mooncake = self.spec.backend == "mooncake"
+        self.cut = graph.cut(0, 0)
+        self.consumer = transfer_kit.caches_for(graph.consumer.ranks[0].units, 4, fill="poison")
+        self.producer = transfer_kit.producer_caches_of(graph, 4)[0]
+        self.listener = P2PListener(graph=graph, rank=0, caches=self.consumer, spec=self.spec,
+                                    transport=transports(self.spec) if mooncake else None, key=transfer_kit.KEY)
+        self.producer_transport = transports(self.spec) if mooncake else None
 
-    graph = graph_of(*OVERRIDES)
-    rig = transfer_kit.Rig(graph, 6, transports)
-    rig.producer.blocks_of = lambda request_id: rig.blocks.get(request_id, [0])
-    stranger = Endpoint()
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.PUSH)
-    raw.setsockopt(zmq.LINGER, 0)
+    def peer(self, pairing: str) -> P2PPeer:
+        return P2PPeer(pairing=pairing, address=self.listener.address, consumer_device="cpu",
+                       plan=self.cut.over(set(self.producer)), caches=self.producer,
+                       dst_block_bytes={u.name: u.bytes_per_block for u in self.graph.consumer.ranks[0].units},
+                       producer_rank=0, spec=self.spec, transport=self.producer_transport)
+
+    def untouched(self) -> bool:
+        return all(torch.all(c.view(torch.uint8) == transfer_kit.POISON) for c in self.consumer.values())
+
+    def landed_exactly(self, src, dst) -> bool:
+        return transfer_kit.wrong_units(self.graph, {0: self.producer}, {0: self.consumer}, [(src, dst)]) == []
+
+
+@pytest.mark.parametrize("transfer", MOVERS)
+def test_a_listener_refuses_a_hello_without_its_pairing_token(graph_of, transports, transfer):
+    """A producer that did not learn the consumer's endpoint (no token, another consumer's,
+    a guess) is refused at its hello, with the reason, and is given nothing: no session, no
+    buffer, no byte in the caches. The real token pairs and lands."""
+    from pdflow.transfer.grants import new_key, pairing_token
+
+    pair = OnePair(graph_of(*PAIR, f"transfer={transfer}"), transports)
     try:
-        rig.pair()
-        importer, producer = rig.importers[0], rig.producer_address(0)
-        real = importer.expect("real", [2])[0]
-        importer.cancel("real")
-        forged = {
-            "unpaired instance": msgspec.structs.replace(real, request_id="f1", instance="intruder",
-                                                         reply_to=stranger.address),
-            "wrong pairing": msgspec.structs.replace(real, request_id="f2", pairing=real.pairing ^ 1,
-                                                     reply_to=stranger.address),
-            "other reply address": msgspec.structs.replace(real, request_id="f3", reply_to=stranger.address),
-        }
-        for want in forged.values():
-            stranger.send(producer, want)
-        answers = {m.request_id: m for m in iter(lambda: stranger.recv(5.0), None)}
-        assert sorted(answers) == ["f1", "f2", "f3"], answers
-        assert all(isinstance(a, KVDone) and not a.ok for a in answers.values())
-        assert "has not paired" in answers["f1"].error and "paired consumer" in answers["f2"].error
-        assert all(torch.all(c.view(torch.uint8) == transfer_kit.POISON) for c in rig.consumer_caches[0].values())
-
-        raw.connect(producer)
-        rng = random.Random(0)
-        frame = encode(forged["wrong pairing"])
-        for i in range(1000):
-            if i % 2:
-                raw.send(rng.randbytes(rng.randrange(0, 512)))
-            else:
-                mutated = bytearray(frame)
-                for _ in range(rng.randrange(1, 4)):
-                    mutated[rng.randrange(len(mutated))] = rng.randrange(256)
-                raw.send(bytes(mutated))
-        host, port = producer.removeprefix("tcp://").split(":")
-        with socket.create_connection((host, int(port))) as s:  # not even ZMQ
-            s.sendall(rng.randbytes(4096))
-        outcomes = rig.move({"after": ([1], [3])})
-        assert [o.ok for o in outcomes.values()] == [True], outcomes
-        assert rig.producer.endpoints[0].rejected > 0
+        for token in ("", pairing_token(new_key()), transfer_kit.PAIRING[:-1] + "0"):
+            with pytest.raises(TransferError, match="unknown hello"):
+                pair.peer(token)
+        assert pair.untouched() and pair.listener._sessions == []
+        peer = pair.peer(transfer_kit.PAIRING)
+        transfer_kit.send(peer, [1, 3], [2, 0])
+        assert pair.landed_exactly([1, 3], [2, 0])
+        peer.close()
     finally:
-        raw.close()
-        ctx.term()
-        stranger.close()
-        rig.close()
+        pair.listener.close()
+
+
+@pytest.mark.parametrize("transfer", MOVERS)
+def test_a_transfer_with_the_wrong_nonce_is_refused_and_writes_nothing(graph_of, transports, transfer):
+    """A paired producer's request whose nonce does not grant the blocks it names (a flipped
+    bit, another grant's nonce, the right blocks in another order) is refused by the
+    consumer rank before it scatters: the caches keep their poison, the pair serves on, and
+    the granted request lands."""
+    from pdflow.transfer.grants import kv_nonce
+
+    pair = OnePair(graph_of(*PAIR, f"transfer={transfer}"), transports)
+    peer = pair.peer(transfer_kit.PAIRING)
+    try:
+        granted = kv_nonce(transfer_kit.KEY, [2, 0])
+        for dst, nonce in (([2, 0], granted ^ 1), ([1, 3], granted), ([0, 2], granted)):
+            with pytest.raises(TransferError, match="nonce does not grant"):
+                peer.send([1, 3], dst, "forged", nonce)
+        assert pair.untouched() and pair.listener.landed == 0 and not peer.broken
+        peer.send([1, 3], [2, 0], "granted", granted)
+        assert pair.landed_exactly([1, 3], [2, 0]) and pair.listener.landed == 1
+    finally:
+        peer.close()
+        pair.listener.close()
+
+
+def test_a_listener_survives_garbage_and_serves_the_real_producer(graph_of, transports):
+    """Random bytes, oversized lengths and mutated hellos and requests on the listener's port:
+    each connection is dropped (nothing written), the listener keeps accepting, and the
+    real producer pairs and lands after all of it."""
+    from msgspec.msgpack import encode
+
+    from pdflow.transfer.p2p_messages import P2PHello, P2PRequest
+
+    pair = OnePair(graph_of(*PAIR, "transfer=nccl"), transports)
+    host, port = pair.listener.address.rsplit(":", 1)
+    rng = random.Random(0)
+    hello = encode(P2PHello(producer_rank=0, units=sorted(pair.producer), mover="gloo", pairing="x" * 64))
+    request = encode(P2PRequest(request_id="r", dst_blocks=[0, 1], nonce=1))
+    frames = [rng.randbytes(rng.randrange(0, 256)) for _ in range(40)]
+    frames += [(1 << 31).to_bytes(4, "big") + b"x"]  # a length over the frame limit
+    for frame in (hello, request):
+        for _ in range(30):
+            mutated = bytearray(frame)
+            for _ in range(rng.randrange(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            frames.append(len(mutated).to_bytes(4, "big") + bytes(mutated))
+    try:
+        for frame in frames:
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(frame)
+        peer = pair.peer(transfer_kit.PAIRING)
+        transfer_kit.send(peer, [1, 3], [2, 0])
+        assert pair.landed_exactly([1, 3], [2, 0])
+        peer.close()
+    finally:
+        pair.listener.close()
+
+
+@pytest.mark.slow
+def test_a_deployment_whose_grant_is_wrong_fails_the_request_and_frees_its_blocks(monkeypatch):
+    """Through the engine: a producer handed a nonce the consumer's owner did not make
+    (here the owner's grant is altered) has its transfer refused by the consumer rank;
+    the request ends with that error, every block of both pools comes back, and the next
+    request (granted) is served."""
+    from pdflow import Deployment, SamplingParams, compose
+    from pdflow.engine.instance import Instance
+
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with Deployment(compose([*PAIR, "transfer=nccl", "prefill.num_kv_blocks=8", "decode.num_kv_blocks=8"])) as d:
+        real = Instance.kv_nonce
+        monkeypatch.setattr(Instance, "kv_nonce", lambda self, blocks: real(self, blocks) ^ 1)
+        [out] = d.generate([[5, 6, 7, 8, 9]], greedy)
+        assert out.error is not None and "nonce does not grant" in out.error, out
+        assert all(e.num_free_kv_blocks == e.num_kv_blocks for e in (d.producer, d.consumer))
+        monkeypatch.setattr(Instance, "kv_nonce", real)
+        [out] = d.generate([[5, 6, 7, 8, 9]], greedy)
+        assert out.error is None and len(out.token_ids) == 3

@@ -18,6 +18,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+KEY = bytes(32)  # the listeners' pairing key (``transfer.grants``)
+
+
+def send(peer, src, dst) -> None:
+    from pdflow.transfer.grants import kv_nonce
+
+    peer.send(src, dst, "r", kv_nonce(KEY, dst))
+
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -56,7 +65,7 @@ def _consumer(outbox) -> None:
     device = torch.device("cuda", 1)
     torch.cuda.set_device(device)
     graph = _graph()
-    listener = P2PListener(graph=graph, rank=1, caches=_caches(graph.rank(CONSUMER, 1).units, device),
+    listener = P2PListener(key=KEY, graph=graph, rank=1, caches=_caches(graph.rank(CONSUMER, 1).units, device),
                            spec=graph.spec.transfer, buffer_bytes=BUFFER_BYTES)
     outbox.put(("listening", listener.address, device_identity(device)))
     time.sleep(600)
@@ -65,6 +74,7 @@ def _consumer(outbox) -> None:
 def _pair(address: str, identity: str, caches=None):
     """Prefill rank 0 on GPU 0, paired with decode rank 1 (over NCCL)."""
     from pdflow.graph import CONSUMER, PRODUCER
+    from pdflow.transfer.grants import pairing_token
     from pdflow.transfer.p2p import P2PPeer
 
     device = torch.device("cuda", 0)
@@ -72,7 +82,8 @@ def _pair(address: str, identity: str, caches=None):
     graph = _graph()
     caches = caches or _caches(graph.rank(PRODUCER, 0).units, device)
     cut = next(c for c in graph.cuts if c.consumer_rank == 1)
-    return P2PPeer(address=address, consumer_device=identity, plan=cut.over(set(caches)), caches=caches,
+    return P2PPeer(pairing=pairing_token(KEY), address=address, consumer_device=identity, plan=cut.over(set(caches)),
+                   caches=caches,
                    dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 1).units},
                    producer_rank=0, spec=graph.spec.transfer)
 
@@ -87,7 +98,7 @@ def _producer(address: str, identity: str, inbox, outbox) -> None:
     outbox.put(("paired", peer.mover))
     inbox.get()
     try:
-        peer.send(list(range(BLOCKS)), list(range(BLOCKS)))
+        send(peer, list(range(BLOCKS)), list(range(BLOCKS)))
         outbox.put(("sent", ""))
     except TransferError as err:
         outbox.put(("failed", str(err)))
@@ -95,7 +106,7 @@ def _producer(address: str, identity: str, inbox, outbox) -> None:
     outbox.put(("alive", torch.ones(4, device=device).sum().item()))
     inbox.get()  # the consumer runs again: the broken pair pairs again (a new NCCL group) and lands
     try:
-        peer.send(list(range(BLOCKS)), list(range(BLOCKS)))
+        send(peer, list(range(BLOCKS)), list(range(BLOCKS)))
         outbox.put(("sent again", peer.repairs))
     except TransferError as err:
         outbox.put(("failed again", str(err)))
@@ -157,14 +168,15 @@ def test_a_consumer_that_dies_mid_request_fails_the_send_without_waiting_out_the
 def _stalling_producer(address: str, identity: str, inbox, outbox) -> None:
     """Pairs, announces a request and sends none of its chunks (a producer that hangs or
     dies mid-request); told to, pairs again and sends a whole request."""
+    from pdflow.transfer.grants import kv_nonce
     from pdflow.transfer.p2p_messages import P2PRequest
 
     peer = _pair(address, identity)
-    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=list(range(BLOCKS))))
+    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=list(range(BLOCKS)), nonce=kv_nonce(KEY, range(BLOCKS))))
     outbox.put(("announced", peer.mover))
     inbox.get()
     fresh = _pair(address, identity, peer.caches)
-    fresh.send(list(range(BLOCKS)), list(range(BLOCKS)))
+    send(fresh, list(range(BLOCKS)), list(range(BLOCKS)))
     outbox.put(("sent", fresh.mover))
     time.sleep(600)
 

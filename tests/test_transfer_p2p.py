@@ -13,12 +13,13 @@ import time
 import pytest
 import torch
 import transfer_kit
-from transfer_kit import caches_for, producer_caches_of, wrong_units
+from transfer_kit import KEY, PAIRING, caches_for, producer_caches_of, send, wrong_units
 
 from pdflow import Deployment, SamplingParams, compose
 from pdflow.graph import CONSUMER, PRODUCER, Code
 from pdflow.transfer import p2p
 from pdflow.transfer.errors import PairingRefused, TransferError
+from pdflow.transfer.grants import kv_nonce
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
 from pdflow.transfer.p2p_parts import pair_group, peer_closed
@@ -49,7 +50,7 @@ class Pairs:
         def engine():
             return make_transport(spec) if make_transport else None
 
-        self.listeners = {c: P2PListener(graph=graph, rank=c, caches=caches, spec=spec, buffer_bytes=buffer_bytes,
+        self.listeners = {c: P2PListener(key=KEY, graph=graph, rank=c, caches=caches, spec=spec, buffer_bytes=buffer_bytes,
                                          transport=engine())
                           for c, caches in self.consumer_caches.items()}
         producer_engines = {r.rank: engine() for r in graph.producer.ranks}
@@ -59,14 +60,14 @@ class Pairs:
             plan = cut.over(set(caches))
             consumer = graph.rank(CONSUMER, cut.consumer_rank)
             self.peers[cut.producer_rank, cut.consumer_rank] = P2PPeer(
-                address=self.listeners[cut.consumer_rank].address, consumer_device="cpu", plan=plan, caches=caches,
+                pairing=PAIRING, address=self.listeners[cut.consumer_rank].address, consumer_device="cpu", plan=plan, caches=caches,
                 dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
                 producer_rank=cut.producer_rank, spec=spec, transport=producer_engines[cut.producer_rank])
 
     def move(self, requests=REQUESTS) -> None:
         for src, dst in requests.values():
             for peer in self.peers.values():
-                peer.send(src, dst)
+                send(peer, src, dst)
 
     def close(self) -> None:
         for part in (*self.peers.values(), *self.listeners.values()):
@@ -152,7 +153,7 @@ def test_mooncake_staging_lands_every_head_in_chunks(graph_of, transports):
         assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
         peer = next(iter(pairs.peers.values()))
         with pytest.raises(TransferError, match="outside the pool"):
-            peer.send([0], [NUM_BLOCKS])
+            send(peer, [0], [NUM_BLOCKS])
     finally:
         pairs.close()
 
@@ -172,7 +173,7 @@ def test_a_request_the_consumer_fails_mid_stream_ends_there_and_the_pair_serves_
     try:
         peer = next(iter(pairs.peers.values()))
         with pytest.raises(TransferError, match="outside the pool"):
-            peer.send([0, 1, 2], [0, 1, NUM_BLOCKS])
+            send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
         pairs.move()
         assert not peer.broken
         assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
@@ -190,9 +191,9 @@ def test_bad_block_ids_fail_the_request_and_the_pair_serves_on(pairs_of):
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none")
     peer = next(iter(pairs.peers.values()))
     with pytest.raises(TransferError, match="outside the pool"):
-        peer.send([0, 1], [2, NUM_BLOCKS + 3])
+        send(peer, [0, 1], [2, NUM_BLOCKS + 3])
     with pytest.raises(TransferError, match="repeat"):
-        peer.send([0, 1], [2, 2])
+        send(peer, [0, 1], [2, 2])
     pairs.move()  # every pair, the one that refused included
     assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
 
@@ -202,9 +203,9 @@ def test_a_lost_consumer_fails_the_send_instead_of_hanging(pairs_of):
     (p, c), peer = next(iter(pairs.peers.items()))
     pairs.listeners[c].close()
     with pytest.raises(TransferError):
-        peer.send([0], [1])
+        send(peer, [0], [1])
     with pytest.raises(TransferError, match="broken"):
-        peer.send([0], [1])
+        send(peer, [0], [1])
 
 
 def _session(listener: P2PListener, producer_rank: int):
@@ -229,10 +230,10 @@ def test_a_broken_pair_pairs_again_and_the_next_request_lands(graph_of, transpor
         old = _session(listener, p)
         old.conn.close()
         with pytest.raises(TransferError):
-            peer.send([0], [1])
+            send(peer, [0], [1])
         assert peer.broken
         with pytest.raises(TransferError, match="pairing again in"):
-            peer.send([0], [1])
+            send(peer, [0], [1])
         time.sleep(0.35)
         pairs.move()  # this pair pairs again on its first request; every pair lands both requests
         assert peer.repairs == 1 and not peer.broken
@@ -252,15 +253,15 @@ def test_a_pair_whose_consumer_is_gone_retries_ever_less_often(pairs_of, monkeyp
     (p, c), peer = next(iter(pairs.peers.items()))
     pairs.listeners[c].close()
     with pytest.raises(TransferError):
-        peer.send([0], [1])
+        send(peer, [0], [1])
     waits = []
     for _ in range(2):
         time.sleep(peer._repair_at - time.monotonic() + 0.05)
         with pytest.raises(TransferError, match="pairing again failed: consumer rank at .* cannot be reached"):
-            peer.send([0], [1])
+            send(peer, [0], [1])
         waits.append(peer._repair_wait)
         with pytest.raises(TransferError, match="pairing again in"):
-            peer.send([0], [1])
+            send(peer, [0], [1])
     assert waits == [0.4, 0.8] and peer.repairs == 0
 
 
@@ -294,14 +295,14 @@ def test_a_producer_that_stalls_mid_request_is_dropped_and_the_consumer_serves_o
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.timeout_s=2")
     (p, c), peer = next(iter(pairs.peers.items()))
     peer.conn.sock.settimeout(20)  # longer than the consumer's deadline: who closes first shows
-    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=[1]))
+    peer.conn.send(P2PRequest(request_id="stalled", dst_blocks=[1], nonce=kv_nonce(KEY, [1])))
     with pytest.raises(PeerClosed):
         peer.conn.recv()
-    fresh = P2PPeer(address=pairs.listeners[c].address, consumer_device="cpu", plan=peer.plan, caches=peer.caches,
+    fresh = P2PPeer(pairing=PAIRING, address=pairs.listeners[c].address, consumer_device="cpu", plan=peer.plan, caches=peer.caches,
                     dst_block_bytes=peer.dst_block_bytes, producer_rank=p, spec=pairs.graph.spec.transfer)
     try:
         landed = pairs.listeners[c].landed
-        fresh.send([0], [1])
+        send(fresh, [0], [1])
         assert pairs.listeners[c].landed == landed + 1
     finally:
         fresh.close()
@@ -310,12 +311,12 @@ def test_a_producer_that_stalls_mid_request_is_dropped_and_the_consumer_serves_o
 def test_a_producer_naming_a_rank_without_a_cut_is_refused(graph_of):
     graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
     caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
-    listener = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
+    listener = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
     try:
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = graph.cuts[0]
         with pytest.raises(TransferError, match="no cut plan"):
-            P2PPeer(address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
+            P2PPeer(pairing=PAIRING, address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
                     dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
                     producer_rank=len(graph.producer.ranks) + 5, spec=graph.spec.transfer)
     finally:
@@ -327,12 +328,12 @@ def test_a_consumer_that_cannot_set_up_the_pair_says_why(graph_of):
     allocated) reaches the producer as a refusal naming it, not as a closed socket."""
     graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
     caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
-    listener = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=1 << 60)
+    listener = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=1 << 60)
     try:
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)
         with pytest.raises(TransferError, match="could not set up the pair: .*(Error|alloc)"):
-            P2PPeer(address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
+            P2PPeer(pairing=PAIRING, address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)), caches=prod,
                     dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
                     producer_rank=0, spec=graph.spec.transfer)
     finally:
@@ -380,8 +381,8 @@ def test_pair_buffers_fit_the_longest_request_not_the_staging_size(graph_of):
     graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=dspark")
     caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
     staging = graph.spec.transfer.staging_mib << 20
-    fitted = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
-    given = P2PListener(graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=staging)
+    fitted = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
+    given = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer, buffer_bytes=staging)
     try:
         par = parallel_of(graph.spec, CONSUMER)
         longest = -(-min(graph.spec.model.max_model_len, graph.budgets[CONSUMER].pool_blocks * par.block_size)

@@ -1,13 +1,10 @@
 """Shared pieces of the transfer tests: real Mooncake engines (pooled: an engine takes
 ~1 s to tear down, so the session reuses them), unit caches filled with random bytes or
-poison, a tensor-level oracle of the head cut, and an in-process P/D rig that pairs and
-moves requests over the real side channel and the real engine."""
+poison, and a tensor-level oracle of the head cut."""
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import torch
 from pdflow.attention.kv_cache import TORCH_DTYPES
 from pdflow.graph.units import UnitSpec
 from pdflow.spec import TransferSpec
+from pdflow.transfer.grants import kv_nonce, pairing_token
 from pdflow.transfer.mooncake_engine import INSTALL_HINT
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -126,128 +124,11 @@ def producer_caches_of(graph, num_blocks: int) -> dict[int, dict[str, torch.Tens
     return {r.rank: caches_for(r.units, num_blocks, fill="random", seed=r.rank + 1) for r in graph.producer.ranks}
 
 
-class ProducerSide:
-    """Every producer rank of a graph: caches, exporter and endpoint, each answering on a
-    service thread (Hello -> Paired, KVWanted -> write -> KVDone). ``blocks_of`` maps a
-    request id to its producer block ids."""
-
-    def __init__(self, graph, num_blocks: int, make_transport, blocks_of, *, send_buffer_bytes=None):
-        from pdflow.transfer import Endpoint, KVExporter
-
-        self.graph, self.blocks_of = graph, blocks_of
-        self.caches = producer_caches_of(graph, num_blocks)
-        self.exporters, self.endpoints = {}, {}
-        for rank in graph.producer.ranks:
-            self.exporters[rank.rank] = KVExporter(graph, rank.rank, self.caches[rank.rank],
-                                                   make_transport(graph.spec.transfer),
-                                                   send_buffer_bytes=send_buffer_bytes)
-            self.endpoints[rank.rank] = Endpoint()
-        self.addresses = {r: ep.address for r, ep in self.endpoints.items()}
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True) for r in self.exporters]
-        for t in self._threads:
-            t.start()
-
-    def _serve(self, rank: int) -> None:
-        from pdflow.transfer import Hello, KVWanted
-
-        ep, exporter = self.endpoints[rank], self.exporters[rank]
-        while not self._stop.is_set():
-            msg = ep.recv(0.02)
-            if isinstance(msg, Hello):
-                ep.send(msg.reply_to, exporter.pair(msg))
-            elif isinstance(msg, KVWanted):
-                future = exporter.submit(msg, self.blocks_of(msg.request_id))
-                future.add_done_callback(lambda f, w=msg: ep.send(w.reply_to, f.result()))
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(5)
-        for part in (*self.exporters.values(), *self.endpoints.values()):
-            part.close()
+# The pairing key the tests' listeners hold (``transfer.grants``), its token, and a send
+# with the nonce the consumer's owner would grant.
+KEY = bytes(range(32))
+PAIRING = pairing_token(KEY)
 
 
-class ConsumerSide:
-    """Every consumer rank of a graph: poisoned caches, importer and endpoint; the test's
-    thread drives it (pair, move)."""
-
-    def __init__(self, graph, num_blocks: int, make_transport, *, instance: str = "decode-0"):
-        from pdflow.transfer import Endpoint, KVImporter
-
-        self.graph = graph
-        self.caches, self.importers, self.endpoints, self.wants = {}, {}, {}, []
-        for rank in graph.consumer.ranks:
-            self.caches[rank.rank] = caches_for(rank.units, num_blocks, fill="poison")
-            ep = self.endpoints[rank.rank] = Endpoint()
-            self.importers[rank.rank] = KVImporter(graph, rank.rank, self.caches[rank.rank],
-                                                   make_transport(graph.spec.transfer), instance=instance,
-                                                   reply_to=ep.address)
-
-    def pair(self, producers: dict[int, str], timeout_s: float = 10.0) -> None:
-        from pdflow.transfer import pair_with_producers
-
-        for c, importer in self.importers.items():
-            pair_with_producers(self.endpoints[c], importer.hello(), {p: producers[p] for p in importer.cuts},
-                                timeout_s=timeout_s)
-
-    def ask(self, producers: dict[int, str], requests: dict[str, list[int]]) -> None:
-        """Expect each request (id -> consumer blocks) on every rank and send the KVWanted."""
-        for c, importer in self.importers.items():
-            for rid, dst in requests.items():
-                for p, want in importer.expect(rid, dst).items():
-                    self.wants.append(want)
-                    self.endpoints[c].send(producers[p], want)
-
-    def collect(self, count: int, timeout_s: float = 20.0) -> dict:
-        """Outcomes {(consumer rank, request id): ImportOutcome} until ``count`` or the timeout."""
-        outcomes, deadline = {}, time.monotonic() + timeout_s
-        while len(outcomes) < count and time.monotonic() < deadline:
-            for c, importer in self.importers.items():
-                msg = self.endpoints[c].recv(0.01)
-                outcome = importer.on_done(msg) if msg is not None else None
-                for o in ([outcome] if outcome else []) + importer.expire():
-                    outcomes[(c, o.request_id)] = o
-        return outcomes
-
-    def close(self) -> None:
-        for part in (*self.importers.values(), *self.endpoints.values()):
-            part.close()
-
-
-class Rig:
-    """Both instances of a graph in this process, over real Mooncake and ZMQ."""
-
-    def __init__(self, graph, num_blocks: int, transports, *, send_buffer_bytes=None,
-                 registration_limit: int | None = None):
-        def make(spec):
-            t = transports(spec)
-            if registration_limit:
-                t.registration_limit = registration_limit
-            return t
-
-        self.graph, self.blocks = graph, {}
-        self.producer = ProducerSide(graph, num_blocks, make, self.blocks.__getitem__,
-                                     send_buffer_bytes=send_buffer_bytes)
-        self.consumer = ConsumerSide(graph, num_blocks, make)
-        self.producer_caches, self.consumer_caches = self.producer.caches, self.consumer.caches
-        self.exporters, self.importers = self.producer.exporters, self.consumer.importers
-        self.wants = self.consumer.wants
-
-    def producer_address(self, rank: int) -> str:
-        return self.producer.addresses[rank]
-
-    def pair(self, timeout_s: float = 10.0) -> None:
-        self.consumer.pair(self.producer.addresses, timeout_s)
-
-    def move(self, requests: dict[str, tuple[list[int], list[int]]], timeout_s: float = 20.0) -> dict:
-        """Ask for every request (id -> (producer blocks, consumer blocks)) on every
-        consumer rank; returns {(consumer rank, request id): ImportOutcome}."""
-        for rid, (src, _) in requests.items():
-            self.blocks[rid] = src
-        self.consumer.ask(self.producer.addresses, {rid: dst for rid, (_, dst) in requests.items()})
-        return self.consumer.collect(len(requests) * len(self.importers), timeout_s)
-
-    def close(self) -> None:
-        self.producer.close()
-        self.consumer.close()
+def send(peer, src_blocks, dst_blocks, request_id: str = "r") -> None:
+    peer.send(src_blocks, dst_blocks, request_id, kv_nonce(KEY, dst_blocks))

@@ -31,6 +31,7 @@ from pdflow.model.tokenizer import load_tokenizer
 from pdflow.parallel.messages import KVEndpoint, KVLinkOpened, OpenKVLink, PairConsumer, Paired
 from pdflow.spec import RunSpec
 from pdflow.transfer.errors import PairingRefused
+from pdflow.transfer.grants import kv_nonce, new_key
 from pdflow.worker.executors import InProcessExecutor
 from pdflow.worker.stage import served_max_model_len
 
@@ -61,6 +62,8 @@ class Instance:
         # Seconds to ready (ranks built and warmed up), and of those spent compiling.
         self.startup_s = time.monotonic() - began
         self.compile_s = self.executor.compile_s
+        # A consumer's pairing key: its ranks check producers' hellos and nonces with it.
+        self.kv_key = new_key()
 
     @property
     def ranks(self) -> tuple[RankPlan, ...]:
@@ -82,8 +85,13 @@ class Instance:
     def open_kv_link(self) -> list[KVEndpoint]:
         """Register every rank's KV pool with the transfer engine; one endpoint per rank
         (what a consumer publishes to its producers)."""
-        answers = self._executor().control(OpenKVLink())
+        answers = self._executor().control(OpenKVLink(key=self.kv_key))
         return [_expect(a, KVLinkOpened, self.role).endpoint for a in answers]
+
+    def kv_nonce(self, blocks) -> int:
+        """The nonce granting a producer's transfer into these blocks of this (consumer)
+        instance; its ranks refuse a transfer without it."""
+        return kv_nonce(self.kv_key, blocks)
 
     def pair(self, consumer: list[KVEndpoint]) -> None:
         """Give every producer rank the consumer's endpoints; each checks the units it will

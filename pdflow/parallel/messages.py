@@ -132,10 +132,15 @@ class KVEndpoint(msgspec.Struct, kw_only=True):
     units: list[UnitAddress]
     # transfer=nccl: "cpu" or "cuda:<GPU UUID>", so a producer rank picks how bytes move.
     device: str = ""
+    # Two-sided pairs: the token a producer rank's hello must present (``transfer.grants``).
+    pairing: str = ""
 
 
 class OpenKVLink(msgspec.Struct, tag=True, kw_only=True):
-    """Owner -> rank: register the KV pool with the transfer engine."""
+    """Owner -> rank: register the KV pool with the transfer engine; a consumer's ranks
+    check hellos and each request's nonce with ``key`` (``transfer.grants``)."""
+
+    key: bytes = b""
 
 
 class KVLinkOpened(msgspec.Struct, tag=True, kw_only=True):

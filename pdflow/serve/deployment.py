@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import secrets
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -178,7 +177,7 @@ class Deployment(EngineFacts):
                 if blocks is None:
                     return  # the consumer's pool is full: admit after some requests finish
                 first = dataclasses.replace(req.sampling, max_tokens=1)
-                target = KVTarget(blocks=tuple(blocks), nonce=secrets.randbits(63))
+                target = KVTarget(blocks=tuple(blocks), nonce=self.consumer.instance.kv_nonce(blocks))
                 self.producer.add_request(req.prompt, first, req.request_id, kv_target=target)
             else:
                 alone = self.consumer if self._up(CONSUMER) else self.producer if self._up(PRODUCER) else None

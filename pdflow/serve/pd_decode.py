@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import itertools
 import queue
-import secrets
 import threading
 import uuid
 from collections import deque
@@ -155,7 +154,7 @@ class DecodeBackend(EngineFacts):
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
                             sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
                                                   top_p=sampling.top_p, seed=sampling.seed),
-                            blocks=blocks, nonce=secrets.randbits(63))
+                            blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
         return True

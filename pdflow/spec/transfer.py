@@ -29,11 +29,12 @@ class TransferSpec:
     # Runs per descriptor batch submitted to the engine. Mooncake's TCP transport queues
     # about 1024 per peer and fails a larger batch at once.
     descriptor_batch: int = 256
-    # Pack a request's runs into one staging buffer per consumer rank (TCP) instead of
-    # one descriptor per run (RDMA).
+    # Mooncake: pack a request's runs per consumer rank and write them chunk by chunk into
+    # its registered host staging (the ``mooncake`` mover of transfer/p2p.py) instead of one
+    # descriptor per run into its caches (RDMA). Chosen by scripts/bench_pd_mover.py.
     staging: bool = True
-    # Registered staging memory per rank: the consumer's receive area and each producer
-    # rank's send buffer per consumer rank. A request that does not fit goes direct.
+    # A pair's receive buffer (and the producer's send buffer of it): a request larger
+    # than it moves in chunks. Less when the longest request packs into less.
     staging_mib: int = 256
     # transfer=nccl with GPU caches on one host: the producer's copy kernel writes every cut
     # run straight into the consumer's caches, mapped through CUDA IPC (over NVLink between

@@ -1,9 +1,10 @@
 """The Mooncake Transfer Engine behind pdflow's KV transfer: one engine per rank.
 
-Each rank registers its KV caches (``register_unit``) and staging buffers once; a
-producer rank then writes descriptor batches (``descriptors.block_descriptors``) straight
-into a consumer rank's registered memory, named by the consumer's session id
-(``host:rpc_port``, P2P handshake, no metadata server). TCP works on loopback with the
+Direct writes (``transfer.staging=false``): each consumer rank registers its KV caches
+(``register_unit``) once, and a producer rank writes descriptor batches
+(``descriptors.block_descriptors``) straight into them, named by the consumer's session id
+(``host:rpc_port``, P2P handshake, no metadata server). Staged (the ``mooncake`` mover
+of ``p2p``): each pair registers a host buffer on both ends, one write per chunk. TCP works on loopback with the
 non-CUDA wheel (``mooncake-transfer-engine-non-cuda``); RDMA takes the device from the
 spec.
 
@@ -21,25 +22,21 @@ What the engine needs from us, and gets here:
   ``get_batch_transfer_status([0])`` segfaults.
 - A peer that accepts the handshake connection but never answers holds the engine's
   segment-map lock for ~61 s: every write of this engine, to any peer, waits behind it.
-  Deadlines fail the requests caught behind it in time but cannot unblock the engine,
-  so the exporter opens a peer's segment at pairing (a probe write), when the peer has
-  just proven alive, and never on a request's path.
+  Deadlines fail the requests caught behind it in time but cannot unblock the engine.
 
 Security: the engine's RPC (handshake) port and its TCP data port listen on ALL
 interfaces without any authentication, even when it is initialised with 127.0.0.1; any
 host that can reach them can write into registered memory. Run it only on a trusted
-network (or firewall those ports). pdflow's own side channel binds 127.0.0.1 by default
-and rejects every frame that is not a well-formed typed message.
+network (or firewall those ports). pdflow's pair listeners bind ``transfer.host``
+(127.0.0.1 by default), drop every frame that is not a well-formed typed message, and
+take part only in pairs and requests their consumer's key grants (``grants``); direct
+writes have no such check.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +47,7 @@ from pdflow.transfer.errors import TransferError
 from pdflow.transfer.lanes import Lanes
 from pdflow.transfer.native_log import quiet_native_log, set_mooncake_level
 
-__all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError", "TransferStats"]
+__all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError"]
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU; needs Debian's libibverbs1) "
                 "or mooncake-transfer-engine (CUDA), never both")
@@ -64,14 +61,6 @@ def chunk_bytes(align: int, limit: int = REGISTRATION_LIMIT) -> int:
     if not 0 < align <= limit:
         raise ValueError(f"one block of {align} bytes does not fit one registration of <= {limit} bytes")
     return (limit // align) * align
-
-
-@dataclass(kw_only=True, slots=True)
-class TransferStats:
-    """Counters of engine calls, for tests and the benchmark."""
-
-    calls: int = 0
-    failures: int = 0
 
 
 class MooncakeTransport:
@@ -101,8 +90,6 @@ class MooncakeTransport:
                 raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned "
                                     f"{rc} {INIT_ATTEMPTS} times; its log:\n{dropped.text()}")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
-        self.stats = TransferStats()
-        self._stats_lock = threading.Lock()
         self._registered: dict[int, list[int]] = {}  # tensor address -> its chunk addresses
         self._lanes = Lanes()
 
@@ -146,41 +133,23 @@ class MooncakeTransport:
         for chunk in self._registered.pop(addr, []):
             self.engine.unregister_memory(chunk)
 
-    def unregister_chunk(self, chunk_addr: int) -> None:
-        """Drop one chunk of a registration (a fault injection for tests)."""
-        for chunks in self._registered.values():
-            if chunk_addr in chunks:
-                chunks.remove(chunk_addr)
-                self.engine.unregister_memory(chunk_addr)
-                return
-        raise KeyError(f"no registered chunk at {chunk_addr:#x}")
-
     def unregister_all(self) -> None:
         for addr in list(self._registered):
             self.unregister(addr)
 
     # -- writes ---------------------------------------------------------------------
 
-    def deadline(self, timeout_s: float | None = None) -> float:
-        """A ``time.monotonic()`` deadline ``timeout_s`` (default: the spec's) from now."""
-        return time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
-
-    def run(self, peer: str, job: Callable[[float], object], *, deadline: float, what: str = "transfer") -> Future:
-        """Run ``job(deadline)`` on ``peer``'s lane, off the caller's thread. The future
-        fails with ``TransferError`` at ``deadline`` if the job has not finished."""
-        return self._lanes.submit(peer, job, deadline=deadline, what=what)
-
     def write(self, peer: str, descriptors: Descriptors, *, timeout_s: float | None = None) -> None:
-        """Write every descriptor to ``peer`` (a session id) on its lane; raises
-        ``TransferError`` on a persistent failure or at the deadline."""
-        deadline = self.deadline(timeout_s)
-        future = self.run(peer, lambda d: self.write_now(peer, descriptors, d), deadline=deadline, what="write")
-        future.result()  # the watchdog settles it by the deadline
+        """Write every descriptor to ``peer`` (a session id) on its lane, off the caller's
+        thread; raises ``TransferError`` on a persistent failure or at the deadline (the
+        lane's watchdog settles it then, even while the engine's call blocks)."""
+        deadline = time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
 
-    def write_now(self, peer: str, descriptors: Descriptors, deadline: float) -> None:
-        """Write on the calling thread, which blocks: call it inside a ``run`` job."""
-        for src, dst, length in descriptors.batches(self.spec.descriptor_batch):
-            self._write_batch(peer, src, dst, length, deadline)
+        def job(d: float) -> None:
+            for src, dst, length in descriptors.batches(self.spec.descriptor_batch):
+                self._write_batch(peer, src, dst, length, d)
+
+        self._lanes.submit(peer, job, deadline=deadline, what="write").result()
 
     def _write_batch(self, peer: str, src: list[int], dst: list[int], length: list[int], deadline: float) -> None:
         rc = None
@@ -192,9 +161,6 @@ class MooncakeTransport:
                 raise TransferError(f"write of {len(length)} runs to {peer}: deadline passed "
                                     f"after {attempt} attempts (last rc {rc})")
             rc = self.engine.batch_transfer_sync_write(peer, src, dst, length)
-            with self._stats_lock:
-                self.stats.calls += 1
-                self.stats.failures += rc != 0
             if rc == 0:
                 return
         raise TransferError(f"write of {len(length)} runs ({sum(length)} bytes) to {peer} returned {rc} "

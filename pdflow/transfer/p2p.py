@@ -81,11 +81,12 @@ REPAIR_WAIT_S = (1.0, 60.0)
 class P2PPeer:
     """A producer rank's pair with one consumer rank."""
 
-    def __init__(self, *, address: str, consumer_device: str, plan: CutPlan, caches: Mapping[str, torch.Tensor],
+    def __init__(self, *, address: str, pairing: str, consumer_device: str, plan: CutPlan, caches: Mapping[str, torch.Tensor],
                  dst_block_bytes: Mapping[str, int], producer_rank: int, spec: TransferSpec,
                  transport: MooncakeTransport | None = None):
         self.plan, self.caches, self.dst_block_bytes = plan, caches, dst_block_bytes
         self.address, self.consumer_device, self.producer_rank = address, consumer_device, producer_rank
+        self.pairing = pairing  # the consumer's token (its endpoint's): its listener refuses a hello without it
         self.source_blocks = min(caches[s].shape[0] for g in plan.groups for s, _ in g.units)
         self.device = next(iter(caches.values())).device
         self.transport = transport
@@ -115,7 +116,7 @@ class P2PPeer:
         sources = sorted({s for g in self.plan.groups for s, _ in g.units})
         try:
             self.conn.send(P2PHello(producer_rank=self.producer_rank, units=sources, mover=self.mover,
-                                    pid=os.getpid()))
+                                    pairing=self.pairing, pid=os.getpid()))
             ready = self.conn.recv()
         except (ConnectionError, OSError) as err:
             self.conn.close()
@@ -172,15 +173,15 @@ class P2PPeer:
                                 "memory")
         return value
 
-    def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str = "") -> None:
-        """Move one request's runs into the consumer's ``dst_blocks``; returns once they are
-        in its caches. A failure of the pair itself (a dead or stalled peer, a collective
+    def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int) -> None:
+        """Move one request's runs into the consumer's ``dst_blocks`` (``nonce``: the consumer
+        owner's grant of them); returns once they are in its caches. A failure of the pair itself (a dead or stalled peer, a collective
         error) leaves it broken until it pairs again (``_pair_again``)."""
         with self._lock:
             if self.broken:
                 self._pair_again()
             try:
-                self._send(src_blocks, dst_blocks, request_id)
+                self._send(src_blocks, dst_blocks, request_id, nonce)
             except TransferError:
                 raise
             except Exception as err:  # a dead peer, a timeout, a collective error
@@ -211,17 +212,17 @@ class P2PPeer:
         self.broken, self._repair_wait = "", REPAIR_WAIT_S[0]
         self.repairs += 1
 
-    def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str) -> None:
+    def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int) -> None:
         limit = self.source_blocks
         if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
             raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
                                 f"{len(dst_blocks)} consumer blocks")
         phases = Phases(f"send {self.mover}", self.device)
         if self.mover == "peer":
-            self._write_direct(src_blocks, dst_blocks, request_id, phases)
+            self._write_direct(src_blocks, dst_blocks, request_id, nonce, phases)
             return
         # The request first: the consumer posts its first receive while this rank packs.
-        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks), nonce=nonce))
         phases.mark("request")
         ids = self.table.ids(src_blocks) if self.table is not None else None  # what copy_plan reads
         phases.mark("ids")
@@ -284,13 +285,13 @@ class P2PPeer:
                 self.verdict_stream.synchronize()
         return bool(int(self.verdict_host[0]))
 
-    def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str,
+    def _write_direct(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int,
                       phases: Phases) -> None:
         """``peer``: every run from this rank's caches into the consumer's, one launch."""
         error = bad_blocks(dst_blocks, self.dst_pool)
         if error:  # checked here: a wild address would fault this GPU's context, or theirs
             raise TransferError(error)
-        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks)))
+        self.conn.send(P2PRequest(request_id=request_id, dst_blocks=list(dst_blocks), nonce=nonce))
         rows = direct_rows(self.table, src_blocks, self.dst_table, dst_blocks)
         phases.mark("rows")
         from pdflow.kernels.copy_runs import copy_runs  # GPU path only: loads Triton

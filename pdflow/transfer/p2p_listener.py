@@ -15,12 +15,14 @@ import traceback
 import uuid
 from collections.abc import Mapping
 
+import msgspec
 import torch
 
 from pdflow.graph import CONSUMER, PRODUCER, CutPlan, RunGraph, parallel_of
 from pdflow.graph.transfer_buffers import pair_buffer_bytes
 from pdflow.spec.transfer import TransferSpec
 from pdflow.transfer.errors import TransferError
+from pdflow.transfer.grants import new_key, nonce_matches, pairing_token, token_matches
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p_messages import (
     FramedSocket,
@@ -60,8 +62,12 @@ class P2PListener:
     """A consumer rank's end: accepts producer ranks and scatters what they send."""
 
     def __init__(self, *, graph: RunGraph, rank: int, caches: Mapping[str, torch.Tensor], spec: TransferSpec,
-                 buffer_bytes: int | None = None, transport: MooncakeTransport | None = None):
+                 buffer_bytes: int | None = None, transport: MooncakeTransport | None = None,
+                 key: bytes | None = None):
         self.graph, self.rank, self.caches, self.spec = graph, rank, dict(caches), spec
+        # The consumer owner's pairing key (``grants``; ``KVLink.open`` sets it): a hello
+        # must present its token, a request its nonce for the blocks it names.
+        self.key = key or new_key()
         self.transport = transport  # producers write into this rank's host staging through it
         # Per producer rank paired: transfer.staging_mib, or less when the longest request
         # this side serves packs into less (sized per pair from its cut plan); an explicit
@@ -78,6 +84,10 @@ class P2PListener:
         self._closed = threading.Event()
         self.landed = 0  # requests scattered completely
         threading.Thread(target=self._accept, name=f"p2p-accept-{rank}", daemon=True).start()
+
+    @property
+    def pairing(self) -> str:
+        return pairing_token(self.key)
 
     def pair_buffer_bytes(self, plan: CutPlan) -> int:
         """The receive buffer of a pair: the graph's rule (``transfer_buffers``), for the
@@ -146,8 +156,8 @@ class _Session:
             print(f"p2p: consumer rank {self.listener.rank} failed while pairing:\n{traceback.format_exc()}",
                   file=sys.stderr, flush=True)
             self.conn.close()
-            if isinstance(err, OSError | TransferError):  # a lost producer, a pair that never connected
-                return
+            if isinstance(err, OSError | TransferError | msgspec.DecodeError):  # a lost producer, a pair that
+                return  # never connected, or a peer that does not speak the protocol
             raise
         try:
             if setup is not None:
@@ -158,8 +168,9 @@ class _Session:
                 with side_stream(device):
                     while True:
                         self._serve_request(*setup)
-        except (ConnectionError, OSError, TimeoutError) as err:  # the producer left, or a deadline passed
-            if not isinstance(err, PeerClosed | ConnectionResetError):
+        except (ConnectionError, OSError, TimeoutError, msgspec.DecodeError) as err:  # the producer left, a
+            # deadline passed, or a frame that is no message
+            if not isinstance(err, PeerClosed | ConnectionResetError) and not self.listener._closed.is_set():
                 print(f"p2p: consumer rank {self.listener.rank} closes a pair: {type(err).__name__}: {err}",
                       file=sys.stderr, flush=True)
         except RuntimeError:  # torch.distributed: a receive's error or timeout
@@ -182,6 +193,13 @@ class _Session:
                   "not a pairing hello", file=sys.stderr, flush=True)
             return None
         self.producer_rank = hello.producer_rank
+        if not token_matches(lis.key, hello.pairing):  # not a producer this consumer paired with
+            print(f"p2p: consumer rank {lis.rank} refused a hello (producer rank {hello.producer_rank}) without "
+                  "its pairing token", file=sys.stderr, flush=True)
+            self.conn.send(P2PReady(refused=f"unknown hello: consumer rank {lis.rank} pairs only with a producer "
+                                            "that presents its endpoint's pairing token (pair through the "
+                                            "consumer's owner or /pdflow/pair)"))
+            return None
         try:
             ready, setup = self._set_up(hello)
         except Exception as err:  # the socket is still good: the producer hears why
@@ -279,7 +297,7 @@ class _Session:
         blocks = request.dst_blocks
         pending = self._post_first(blocks, group)  # first: the producer's first chunk waits on it
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
-        error = bad_blocks(blocks, self.pool)
+        error = self._ungranted(request) or bad_blocks(blocks, self.pool)
         if buf is None:  # peer: the producer wrote them (one-sided, checked there) and says when
             note = self.conn.recv()
             if not isinstance(note, P2PChunk) or note.index != 0:
@@ -353,6 +371,14 @@ class _Session:
         if error:
             self.conn.send(P2PAck(index=max(len(parts) - 1, 0), error=error))
         phases.report()
+
+    def _ungranted(self, request: P2PRequest) -> str:
+        """Why a request is refused before a byte is scattered: its nonce is not the
+        consumer owner's grant of the blocks it names."""
+        if nonce_matches(self.listener.key, request.dst_blocks, request.nonce):
+            return ""
+        return (f"request {request.request_id!r}: its nonce does not grant blocks {request.dst_blocks} of consumer "
+                f"rank {self.listener.rank}; refused, nothing scattered")
 
     def _block_ids(self, blocks: list[int], error: str) -> torch.Tensor | None:
         """The block ids ``copy_plan`` reads (GPU caches; none for a request already failed)."""

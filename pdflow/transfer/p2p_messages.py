@@ -28,6 +28,7 @@ class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
     producer_rank: NonNegative
     units: list[str]
     mover: str
+    pairing: str = ""  # the consumer's pairing token (``grants``), learned from its endpoint
     pid: NonNegative = 0  # the producer's process (CUDA IPC maps only another process's memory)
 
 
@@ -77,6 +78,7 @@ class P2PRequest(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_request"):
 
     request_id: str
     dst_blocks: list[NonNegative]
+    nonce: NonNegative  # the consumer owner's grant of ``dst_blocks`` (``grants.kv_nonce``)
 
 
 class P2PChunk(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_chunk"):

@@ -22,7 +22,7 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
     if stage.link is None:  # a producer's sources are registered too, as the engine wants
         stage.link = KVLink(graph, role, rank, stage.kv_caches())
     if isinstance(msg, OpenKVLink):
-        return KVLinkOpened(endpoint=stage.link.endpoint())
+        return KVLinkOpened(endpoint=stage.link.open(msg.key))
     if isinstance(msg, PairConsumer):
         try:
             stage.link.pair(msg.endpoints)

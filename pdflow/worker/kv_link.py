@@ -89,6 +89,13 @@ class KVLink:
         self.peers: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = {}
         self.p2p_peers: dict[int, P2PPeer] = {}
 
+    def open(self, key: bytes) -> KVEndpoint:
+        """Take the consumer owner's pairing key (the listener checks producers' hellos and
+        each request's nonce with it) and publish this rank's endpoint."""
+        if self.listener is not None and key:
+            self.listener.key = key
+        return self.endpoint()
+
     def endpoint(self) -> KVEndpoint:
         if self.p2p:
             session = self.listener.address if self.listener is not None else ""
@@ -96,6 +103,7 @@ class KVLink:
             session = self.transport.session_id
         device = device_identity(next(iter(self.caches.values())).device) if self.caches else ""
         return KVEndpoint(rank=self.rank, session_id=session, device=device,
+                          pairing=self.listener.pairing if self.listener is not None else "",
                           units=[_address(self.units[n], r) for n, r in self.regions.items()])
 
     def pair(self, endpoints: list[KVEndpoint]) -> None:
@@ -123,7 +131,8 @@ class KVLink:
                 if cut.groups:
                     try:
                         p2p_peers[cut.consumer_rank] = P2PPeer(
-                            address=endpoint.session_id, consumer_device=endpoint.device, plan=cut,
+                            address=endpoint.session_id, pairing=endpoint.pairing,
+                            consumer_device=endpoint.device, plan=cut,
                             caches=self.caches, dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
                             producer_rank=self.rank, spec=self.graph.spec.transfer, transport=self.transport)
                     except TransferError as err:  # refused or unreachable: a refusal, the rank lives on
@@ -160,7 +169,7 @@ class KVLink:
                     desc = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
                     self.transport.write(session, desc)
                 for peer in self.p2p_peers.values():
-                    peer.send(job.src_blocks, job.dst_blocks, job.request_id)
+                    peer.send(job.src_blocks, job.dst_blocks, job.request_id, job.nonce)
             except Exception as err:  # a failed write fails the request, never the rank
                 failed[job.request_id] = f"{type(err).__name__}: {err}"
         return failed
