@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from pd_gpu_kit import GPU_BASE
 
 from pdflow import Deployment, SamplingParams, compose
 from pdflow.engine.sequence import KVTarget, SequenceStatus
@@ -33,8 +34,8 @@ def _prompts():
     return [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (60, 40)]
 
 
-def _monolithic(prompts):
-    with Deployment(compose([*BASE, "prefill=tp1", "mode=monolithic"])) as d:
+def _monolithic(prompts, device=()):
+    with Deployment(compose([*BASE, "prefill=tp1", *device, "mode=monolithic"])) as d:
         return [o.token_ids for o in d.generate(prompts, GREEDY)]
 
 
@@ -57,14 +58,25 @@ def _decode(d, firsts):
     return tokens
 
 
+# One GPU, both instances in this process (the ``ipc`` mover): the sender's lane stream
+# must wait on the forward's event, or it packs KV not yet written and the tokens differ.
+ONE_GPU = [*GPU_BASE, "decode.device_offset=0"]
+CASES = {
+    "tp1": ["prefill=tp1"],
+    "pp2": ["prefill=pp2"],
+    "tp1-cuda": pytest.param(["prefill=tp1", *ONE_GPU], marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill", ["tp1", "pp2"])
+@pytest.mark.parametrize("prefill", list(CASES.values()), ids=list(CASES))
 def test_a_held_export_does_not_stop_the_producer_and_lands_as_one_process(prefill, tmp_path, monkeypatch):
     release = tmp_path / "release"
     monkeypatch.setenv(faults.ENV, "export:prefill:0:hold")
     monkeypatch.setenv(faults.RELEASE_ENV, str(release))
     prompts = _prompts()
-    spec = compose([*BASE, f"prefill={prefill}", "prefill.step_timeout_s=60"])
+    spec = compose([*BASE, *prefill, "prefill.step_timeout_s=60"])
     with Deployment(spec) as d:
         producer = d.producer
         _admit(d, "a", prompts[0])
@@ -87,7 +99,7 @@ def test_a_held_export_does_not_stop_the_producer_and_lands_as_one_process(prefi
         assert producer.num_free_kv_blocks == producer.num_kv_blocks
         tokens = _decode(d, firsts)
         assert d.consumer.num_free_kv_blocks == d.consumer.num_kv_blocks
-    assert [tokens["a"], tokens["b"]] == _monolithic(prompts)
+    assert [tokens["a"], tokens["b"]] == _monolithic(prompts, prefill[1:])
 
 
 @pytest.mark.slow

@@ -126,6 +126,6 @@ class KVSender:
         if stream is None:
             self.link.send(consumer_rank, export)
             return
-        stream.wait_event(ready)  # the forward that wrote this KV, before any read of it
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):  # a thread starts on GPU 0
+            stream.wait_event(ready)  # the forward that wrote this KV, before any read of it
             self.link.send(consumer_rank, export)
