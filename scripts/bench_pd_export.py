@@ -3,14 +3,14 @@
 
 One P/D deployment (PP2 prefill -> TP1 decode by default, the tiny model, the spec's
 default transfer). Its prefill instance runs the same prefill-only prompts
-(``max_tokens=1``) twice per round: alone (no KV target: the baseline), and as P/D
+(``max_tokens=1``) twice per round: alone (no KV target: the baseline), then as P/D
 prefills whose KV goes into blocks the decode instance allocated for them, each done once
-its KV has settled (landed in the decode instance). Rounds alternate, baseline first;
-prints prompt tokens/s of each, the ratio (issue 29 asks >= 0.9x), and checks both
+its KV has settled (landed in the decode instance). Prints prompt tokens/s of each and
+the ratio, the median of the rounds' ratios (issue 29 asks >= 0.9x), and checks both
 sampled the same first tokens and every block came back. It runs on the code before
 issue 29 too (its synchronous export), for the before/after figure.
 
-    python scripts/bench_pd_export.py                     # CPU: PP2 -> TP1, 16 x 1024 tokens
+    python scripts/bench_pd_export.py                     # CPU: PP2 -> TP1, 8 x 1024 tokens, 7 rounds
     python scripts/bench_pd_export.py --device cuda --prefill tp1 --decode tp1 \\
         --set transfer=nccl --prompts 64 --prompt-len 2048   # one GPU, both instances in process
 """
@@ -29,9 +29,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill", default="pp2")
     p.add_argument("--decode", default="tp1")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=3, help="alternating rounds per setting")
+    p.add_argument("--repeats", type=int, default=7, help="rounds, each the baseline then the export")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (transfer=nccl, ...)")
     return p.parse_args()
@@ -45,7 +45,8 @@ def overrides(args) -> list[str]:
                 f"{r}.max_num_batched_tokens={args.prompt_len}", f"{r}.enable_prefix_caching=false",
                 f"{r}.device={args.device}"]
     if args.device == "cuda":
-        out += ["prefill.device_offset=0", "decode.device_offset=0", "prefill.memory=0.2", "decode.memory=0.2"]
+        out += ["prefill.device_offset=0", "decode.device_offset=0", "prefill.device_memory_gib=140",
+                "decode.device_memory_gib=140", "prefill.memory=0.1", "decode.memory=0.1"]
     return [*out, *args.set]
 
 
@@ -109,12 +110,15 @@ def main() -> None:
         mover = spec.transfer.backend + (" staging" if spec.transfer.staging else "")
     tokens = args.prompts * args.prompt_len
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
+    # Each round's two runs are next to each other in time: their ratio sees the same load
+    # (this machine may be shared), so the median of the rounds' ratios is the figure.
+    paired = statistics.median(b / e for b, e in zip(times["without export"], times["with KV export"], strict=True))
     print(f"prefill={args.prefill} -> decode={args.decode} on {args.device}, transfer {mover}: "
           f"{args.prompts} prompts x {args.prompt_len} tokens, {args.repeats} alternating rounds")
     for name, rate in rates.items():
         print(f"  {name:16s} {rate:10.0f} prompt tok/s  (rounds: {', '.join(f'{t:.2f}s' for t in times[name])})")
-    ratio = rates["with KV export"] / rates["without export"]
-    print(f"  ratio with/without export: {ratio:.2f}x (goal >= 0.9x)")
+    print(f"  ratio with/without export: {paired:.2f}x, median of the rounds' ratios "
+          f"({rates['with KV export'] / rates['without export']:.2f}x of the median rates; goal >= 0.9x)")
     print(f"  same first tokens: {firsts['with KV export'] == firsts['without export']}; "
           f"every block back: {all(free == total for free, total in pools)}")
 
