@@ -107,7 +107,8 @@ def main() -> None:
                 firsts[name] = run(d, prompts, params)
                 times[name].append(time.perf_counter() - began)
         pools = [(e.num_free_kv_blocks, e.num_kv_blocks) for e in (d.producer, d.consumer)]
-        mover = spec.transfer.backend + (" staging" if spec.transfer.staging else "")
+        staged = spec.transfer.backend == "mooncake" and spec.transfer.staging
+        mover = spec.transfer.backend + (" staging" if staged else "")
     tokens = args.prompts * args.prompt_len
     rates = {name: tokens / statistics.median(t) for name, t in times.items()}
     # Each round's two runs are next to each other in time: their ratio sees the same load
