@@ -29,6 +29,12 @@ class Executor(Protocol):
 
     def collect(self) -> StepOutput: ...
 
+    def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
+        """P/D producer: requests whose KV exports settled on every rank since the last
+        call (None: landed, else why not). Exports leave with a step and settle off the
+        forward, on a later step; waits up to ``wait_s`` for one when none has."""
+        ...
+
     def control(self, message: ControlMessage) -> list[Message]:
         """Between steps: send a control message to every rank, one answer per rank."""
         ...

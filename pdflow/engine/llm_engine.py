@@ -55,10 +55,9 @@ class LLMEngine:
         # Steps answered from a captured CUDA graph, and all steps (reported, tested).
         self.graph_steps = 0
         self.steps = 0
-        # P/D consumer: requests whose prompt KV is on its way, by id.
-        self.awaiting_kv: dict[str, Sequence] = {}
-        # P/D producer: request id -> None (its KV landed) or why the export failed.
-        self.export_results: dict[str, str | None] = {}
+        # P/D producer: exports handed to the ranks and not yet settled (the requests'
+        # blocks are held until then: ``SequenceStatus.SENDING_KV``).
+        self._unsettled = 0
 
     @property
     def executor(self) -> Executor:
@@ -80,7 +79,7 @@ class LLMEngine:
                 f"prompt of {len(prompt_token_ids)} tokens leaves no room under "
                 f"max_model_len {self.max_model_len}"
             )
-        if self.scheduler.find(request_id) is not None or request_id in self.awaiting_kv:
+        if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already running")
 
     def add_request(
@@ -103,13 +102,26 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
+        exporting = seq.kv_target is not None and seq.in_flight and seq.sampled_at == seq.last_step
+        if seq.status is SequenceStatus.SENDING_KV or exporting:
+            # its KV may be on the way out of these blocks: they are freed once it settles
+            seq.finish_reason = "abort"
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+            return True
         self.scheduler.finish(seq, "abort")
         self._released.append(request_id)
         self.detokenizer.forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or self._unsettled > 0
+
+    @property
+    def awaiting_kv(self) -> dict[str, Sequence]:
+        """P/D consumer: requests whose prompt KV is on its way, by id."""
+        return {rid: seq for rid, seq in self.scheduler.transfers.items()
+                if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV}
 
     # -- stepping -------------------------------------------------------------------
 
@@ -128,11 +140,16 @@ class LLMEngine:
         self._fill_pipeline()
         return bool(self._in_flight)
 
-    def collect(self) -> list[TokenOutput]:
+    def collect(self, wait: bool = True) -> list[TokenOutput]:
         """Wait for the oldest step in flight and sample from it: one TokenOutput per new
-        token (none when nothing is in flight)."""
-        if not self._in_flight:
-            return []
+        token. P/D producer: also the first token of every prompt whose KV settled since
+        (``kv_settled``); with no step in flight this waits for one to settle (``wait``:
+        False takes only those settled already)."""
+        stepped = bool(self._in_flight)
+        outputs = self._collect_step() if stepped else []
+        return outputs + self._settle_exports(wait=wait and not stepped)
+
+    def _collect_step(self) -> list[TokenOutput]:
         number, batch, sampled = self._in_flight.popleft()
         result = self.executor.collect()
         self.steps += 1
@@ -151,10 +168,11 @@ class LLMEngine:
         for seq, count, d, nxt in zip(sampled, counts, offered, drafts, strict=True):
             run = list(zip(result.token_ids[at:at + count], result.logprobs[at:at + count], strict=True))
             at += count
+            if seq.kv_target is not None and seq.first_sample is None:  # its export left with this step
+                outputs += self._hold_for_export(seq, run[0])
+                continue
             if seq.finished:
                 continue
-            if seq.kv_target is not None and seq.num_output_tokens == 0:
-                self.export_results[seq.request_id] = result.export_failed.get(seq.request_id)
             if self.speculative and seq.num_output_tokens > 0:  # a decode step: it verified d drafts
                 seq.acceptance.record(d, count - 1)
                 self.acceptance.record(d, count - 1)
@@ -196,6 +214,49 @@ class LLMEngine:
             num_verify_steps=stats.verify_steps,
         )
 
+    # -- P/D producer: blocks held until the prompt's KV is sent ---------------------------
+
+    def _hold_for_export(self, seq: Sequence, sample: tuple[int, float]) -> list[TokenOutput]:
+        """The step that completed ``seq``'s prompt is back and its export on the way: keep
+        the token and the blocks (the sender reads them) until the export settles."""
+        seq.first_sample = sample
+        reason = seq.finish_reason  # "abort" when aborted while the step was in flight
+        self.scheduler.park(seq, SequenceStatus.SENDING_KV)
+        seq.finish_reason = reason
+        return self._sent(seq) if seq.kv_settled else []
+
+    def _settle_exports(self, wait: bool) -> list[TokenOutput]:
+        """The exports the ranks report settled (waiting for one when ``wait``)."""
+        if not self._unsettled:
+            return []
+        outputs = []
+        settled = self.executor.settled(self.parallel.step_timeout_s if wait else 0.0)
+        for request_id, error in settled.items():
+            self._unsettled -= 1
+            seq = self.scheduler.find(request_id)
+            if seq is None:
+                continue
+            seq.kv_settled, seq.kv_error = True, error
+            if seq.status is SequenceStatus.SENDING_KV:
+                outputs += self._sent(seq)
+        return outputs
+
+    def _sent(self, seq: Sequence) -> list[TokenOutput]:
+        """The KV has settled: free the blocks, and report the prompt's token with the
+        transfer's verdict (nothing for a request aborted meanwhile)."""
+        self.scheduler.transfers.pop(seq.request_id)
+        if seq.finish_reason == "abort":
+            seq.status = SequenceStatus.FINISHED
+            self.blocks.free(seq)
+            self._released.append(seq.request_id)
+            self.detokenizer.forget(seq.request_id)
+            return []
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)  # _emit finishes it there (max_tokens=1)
+        out = self._emit(seq, *seq.first_sample)  # finished there: its blocks go back
+        out.kv_settled, out.kv_error = True, seq.kv_error
+        return [out]
+
     # -- P/D: a consumer admits a request whose prompt KV another instance writes -------
 
     def add_remote_request(
@@ -209,13 +270,15 @@ class LLMEngine:
                        num_prompt_tokens=len(prompt_token_ids), sampling=sampling)
         if not self.blocks.allocate(seq, seq.num_tokens):
             return None
-        self.awaiting_kv[request_id] = seq
+        self.scheduler.park(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
         return list(seq.block_table)
 
     def complete_remote_prefill(self, request_id: str, token: int, logprob: float) -> TokenOutput:
         """The prompt's KV is in this instance's blocks and the producer sampled ``token``:
         decode on from there, as if this instance had prefilled itself."""
-        seq = self.awaiting_kv.pop(request_id)
+        seq = self.scheduler.unpark(request_id, SequenceStatus.WAITING_FOR_REMOTE_KV)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.blocks.commit(seq)
         seq.status = SequenceStatus.RUNNING
@@ -225,7 +288,7 @@ class LLMEngine:
 
     def fail_remote(self, request_id: str, reason: str = "error") -> bool:
         """The prompt's KV will not come (producer gone, transfer failed): free its blocks."""
-        seq = self.awaiting_kv.pop(request_id, None)
+        seq = self.scheduler.unpark(request_id, SequenceStatus.WAITING_FOR_REMOTE_KV)
         if seq is None:
             return False
         self.blocks.free(seq)
@@ -250,6 +313,7 @@ class LLMEngine:
             )
             self._released = []
             self.executor.submit(step)
+            self._unsettled += len(step.exports)
             for seq in batch.seqs:
                 seq.in_flight, seq.last_step = True, number
                 seq.fresh = False

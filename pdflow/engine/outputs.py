@@ -25,6 +25,10 @@ class TokenOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
+    # P/D producer: the prompt's first token, reported once its KV transfer settled (it
+    # landed unless ``kv_error`` says why not).
+    kv_settled: bool = False
+    kv_error: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -55,6 +55,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # P/D: sequences whose blocks a KV transfer holds, never scheduled (their status
+        # says which way: WAITING_FOR_REMOTE_KV on a consumer, SENDING_KV on a producer).
+        self.transfers: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,7 +69,21 @@ class Scheduler:
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
                 return seq
-        return None
+        return self.transfers.get(request_id)
+
+    def park(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Hold ``seq`` and its blocks for a KV transfer (out of running, never scheduled)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = status
+        self.transfers[seq.request_id] = seq
+
+    def unpark(self, request_id: str, status: SequenceStatus) -> Sequence | None:
+        """The sequence a transfer held, if it is in ``status``; the caller decides its fate."""
+        seq = self.transfers.get(request_id)
+        if seq is None or seq.status is not status:
+            return None
+        return self.transfers.pop(request_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence wherever it is and give its blocks back, or, while a step in

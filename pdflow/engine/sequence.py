@@ -22,6 +22,10 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    # P/D consumer: blocks allocated, the producer writes the prompt's KV into them.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    # P/D producer: prompt prefilled and sampled, blocks held until the KV has been sent.
+    SENDING_KV = "sending_kv"
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -53,8 +57,13 @@ class Sequence:
     last_step: int = -1
     sampled_at: int = -1
     sample_index: int = -1
-    # P/D producer: send the prompt's KV here after the step that completes the prompt.
+    # P/D producer: send the prompt's KV here after the step that completes the prompt;
+    # the token that step sampled (emitted once the KV has settled), and, once it has,
+    # None (landed) or why not (``kv_settled`` says whether it has).
     kv_target: KVTarget | None = None
+    first_sample: tuple[int, float] | None = None
+    kv_settled: bool = False
+    kv_error: str | None = None
     # Speculative decoding: the drafts proposed after the last token (scored with it by
     # the next step), whether the next forward is the first since admission (the drafter
     # then adopts the context its pool holds), and this request's acceptance counts.

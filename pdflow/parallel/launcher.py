@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -53,13 +54,17 @@ class RankContext:
 
 
 class Channel:
-    """A rank's end of its pipe to the owner, speaking typed messages."""
+    """A rank's end of its pipe to the owner, speaking typed messages. Sends are locked:
+    a producer rank's KV sender reports from its own thread."""
 
     def __init__(self, conn: Connection):
         self._conn = conn
+        self._send_lock = threading.Lock()
 
     def send(self, message: Message) -> None:
-        self._conn.send_bytes(encode(message))
+        data = encode(message)
+        with self._send_lock:
+            self._conn.send_bytes(data)
 
     def recv(self) -> Message:
         return decode(self._conn.recv_bytes())
@@ -111,6 +116,10 @@ class Launcher(ABC):
     @abstractmethod
     def check(self) -> None:
         """Raise RankFailed if a rank is gone (without waiting for a message)."""
+
+    def has_message(self, rank: int) -> bool:
+        """Whether ``rank`` has sent a message not yet received (a ``recv`` returns at once)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot poll its ranks")
 
     @property
     @abstractmethod
@@ -208,6 +217,12 @@ class LocalLauncher(Launcher):
             self._conns[rank].send_bytes(encode(message))
         except (BrokenPipeError, OSError) as err:
             self._fail(rank, f"pipe closed ({err})")
+
+    def has_message(self, rank: int) -> bool:
+        try:
+            return self._conns[rank].poll()
+        except (EOFError, OSError):
+            return True  # recv finds out why
 
     def recv(self, rank: int, timeout_s: float) -> Message:
         """Wait for one message from ``rank`` while watching every rank for death."""

@@ -59,7 +59,8 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     released_seq_ids: list[str] = []
     # Return the last stage's relayed drafter taps for every row (StepOutput.taps).
     capture_taps: bool = False
-    # Producer only: KV to send after this step's forward (every rank answers ExportDone).
+    # Producer only: KV to send once this step's forward has written it. Each rank hands
+    # them to its KV sender and goes on; every rank answers KVSent when they have settled.
     exports: list[KVExport] = []
     # Speculative decoding (empty without a drafter). Per sampled sequence: drafts at the
     # tail of its rows (its rows are [anchor, drafts]; sample_rows names the last).
@@ -88,19 +89,19 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     taps_shape: list[int] = []
     # The stage that answered replayed a captured CUDA graph for this step.
     cuda_graph: bool = False
-    # Producer only: request id -> why its KV export failed, merged over every rank.
-    export_failed: dict[str, str] = {}
     # Speculative decoding: tokens each sampled sequence emitted (accepted drafts + 1;
     # token_ids/logprobs are flat over them), and its drafts for the next step.
     num_emitted: list[int] = []
     draft_ids: list[list[int]] = []
 
 
-class ExportDone(msgspec.Struct, tag=True, kw_only=True):
-    """A producer rank wrote (or failed to write) the step's exports."""
+class KVSent(msgspec.Struct, tag=True, kw_only=True):
+    """A producer rank's KV sender settled some requests' exports (sent off the forward, so
+    it comes whenever they settle, between or before step answers): every consumer rank
+    has their blocks, except those in ``failed`` (request id -> why)."""
 
-    step: int
     rank: int
+    request_ids: list[str]
     failed: dict[str, str] = {}
 
 
@@ -173,7 +174,7 @@ class RankError(msgspec.Struct, tag=True, kw_only=True):
     error: str
 
 
-Message = (RankReady | StepInput | StepOutput | Shutdown | RankError | ExportDone | OpenKVLink
+Message = (RankReady | StepInput | StepOutput | Shutdown | RankError | KVSent | OpenKVLink
            | KVLinkOpened | PairConsumer | Paired)
 ControlMessage = OpenKVLink | PairConsumer
 

@@ -197,16 +197,17 @@ class Deployment(EngineFacts):
         return []
 
     def _collect_producer(self) -> Iterator[TokenOutput]:
-        """The producer's oldest step; each prompt whose KV landed goes on decoding on the
-        consumer (its first token is the producer's)."""
-        for out in self.producer.collect():
-            if out.request_id in self.producer.export_results and not self._up(CONSUMER):
-                self.producer.export_results.pop(out.request_id)
+        """The producer's oldest step, and the prompts whose KV settled since: each one
+        that landed goes on decoding on the consumer (its first token is the producer's).
+        It waits for a transfer only while the consumer has no step of its own to collect."""
+        consumer_busy = self._up(CONSUMER) and self.consumer.has_unfinished()
+        for out in self.producer.collect(wait=not consumer_busy):
+            if out.kv_settled and not self._up(CONSUMER):
                 continue  # its consumer is lost: the request has already ended in an error
-            if out.request_id not in self.producer.export_results:
+            if not out.kv_settled:
                 yield self._record(out)  # served whole by the producer (the consumer is lost)
                 continue
-            failed = self.producer.export_results.pop(out.request_id)
+            failed = out.kv_error
             req = self._requests.get(out.request_id)
             if req is not None and req.aborted:  # the transfer has settled: free the blocks now
                 self.consumer.fail_remote(out.request_id, "abort")
@@ -245,7 +246,7 @@ class Deployment(EngineFacts):
         engine = self._engine_of(role)
         why = f"the {role} instance was lost ({self.lost[role]})"
         owned = {s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
-        owned |= set(engine.awaiting_kv)
+        owned |= set(engine.scheduler.transfers)  # waiting for KV, or sending it
         if role == PRODUCER and self.consumer is not None:
             owned |= set(self.consumer.awaiting_kv)
             for rid in list(self.consumer.awaiting_kv):

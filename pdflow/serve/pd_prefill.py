@@ -96,7 +96,7 @@ class PrefillBackend(EngineFacts):
             for out in self.engine.step():
                 if out.request_id in self.remote:
                     self.remote.discard(out.request_id)
-                    failed = self.engine.export_results.pop(out.request_id, None)
+                    failed = out.kv_error
                     self.answers[out.request_id] = PrefillAnswer(token_id=out.token_id, logprob=out.logprob,
                                                                  error=failed and f"KV transfer failed: {failed}")
                     self.prefills += failed is None

@@ -24,6 +24,7 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
     if isinstance(msg, OpenKVLink):
         return KVLinkOpened(endpoint=stage.link.open(msg.key))
     if isinstance(msg, PairConsumer):
+        stage.close_sender()  # exports in flight to the old peers settle first
         try:
             stage.link.pair(msg.endpoints)
         except PairingRefused as err:

@@ -13,7 +13,7 @@ import torch
 from pdflow.graph import RunGraph, overlap_scheduling, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
-from pdflow.parallel.messages import ControlMessage, ExportDone, Message, StepInput, StepOutput
+from pdflow.parallel.messages import ControlMessage, KVSent, Message, StepInput, StepOutput
 from pdflow.worker.control import handle_control
 from pdflow.worker.overlap_step import LaunchedStep, launch
 from pdflow.worker.stage import Stage, build_stage, rank_device
@@ -104,11 +104,18 @@ class InProcessExecutor:
         ids, positions, meta = stage.runner.tensors(step)
         hidden, taps, graphed = stage.forward(ids, positions, meta)
         drafted = stage.draft(step, ids, positions, meta, hidden, taps)
-        failed = stage.export(step.exports) if step.exports else {}
+        if step.exports:  # handed to the sender; they settle later (``settled``)
+            stage.export(step.exports)
         logits = stage.runner.logits(step, hidden) if drafted is None else None
-        out = stage.answer(step, logits, taps, graphed, drafted)
-        out.export_failed = failed
-        return out
+        return stage.answer(step, logits, taps, graphed, drafted)
+
+    @on_own_device
+    def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
+        """Requests whose KV exports settled since the last call: None when they landed,
+        else why not; waits up to ``wait_s`` for one when none has."""
+        if self.stage is None:
+            return {}
+        return {rid: sent.failed.get(rid) for sent in self.stage.settled(wait_s) for rid in sent.request_ids}
 
     def check(self) -> None:
         """The rank is this process: alive while this runs."""
@@ -157,8 +164,14 @@ class MultiProcessExecutor:
         self.compile_s = compile_seconds(built_s, [r.warm_up_s for r in readies])
         self.world_size = len(plan.ranks)
         self.ready_timeout_s = par.ready_timeout_s
-        # Steps submitted, oldest first: (step number, whether every rank answers ExportDone).
-        self._pending: deque[tuple[int, bool]] = deque()
+        # Steps submitted, oldest first, and answers read early (while polling for KVSent).
+        self._pending: deque[int] = deque()
+        self._answers: deque[Message] = deque()
+        # Exports handed to the ranks: request id -> ranks yet to report it, and why it
+        # failed on some rank; then, settled on every rank, not yet taken by the owner.
+        self._owed: dict[str, set[int]] = {}
+        self._failed: dict[str, str] = {}
+        self._settled: dict[str, str | None] = {}
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
 
     @property
@@ -169,24 +182,53 @@ class MultiProcessExecutor:
         if len(self._pending) >= self.depth:
             raise RuntimeError(f"{self.depth} steps already in flight; collect one first")
         self.launcher.broadcast(step)
-        self._pending.append((step.step, bool(step.exports)))
+        for export in step.exports:  # every rank sends its units and reports (KVSent)
+            self._owed[export.request_id] = set(range(self.world_size))
+        self._pending.append(step.step)
         self.max_in_flight = max(self.max_in_flight, len(self._pending))
 
     def collect(self) -> StepOutput:
         """The oldest step's answer (the timeout runs per step, from when it is awaited)."""
-        want, exports = self._pending.popleft()
-        failed: dict[str, str] = {}
-        if exports:  # every rank reports its writes (the driver before its StepOutput)
-            for rank in range(self.world_size):
-                done = self.launcher.recv(rank, self.step_timeout_s)
-                if not isinstance(done, ExportDone) or done.step != want:
-                    raise RuntimeError(f"expected ExportDone for step {want} from rank {rank}, got {done!r:.200}")
-                failed.update(done.failed)
-        out = self.launcher.recv(self.driver, self.step_timeout_s)
+        want = self._pending.popleft()
+        out = self._answers.popleft() if self._answers else self._recv(self.driver, self.step_timeout_s)
+        while isinstance(out, KVSent):
+            out = self._recv(self.driver, self.step_timeout_s)
         if not isinstance(out, StepOutput) or out.step != want:
             raise RuntimeError(f"expected StepOutput for step {want}, got {out!r:.200}")
-        out.export_failed = failed
         return out
+
+    def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
+        """Requests whose KV exports settled on every rank since the last call (None: they
+        landed, else why not); waits up to ``wait_s`` for one when none has (a rank that
+        does not report by then fails the instance, as a step would)."""
+        for rank in range(self.world_size):
+            while self.launcher.has_message(rank):
+                msg = self._recv(rank, self.step_timeout_s)
+                if not isinstance(msg, KVSent):
+                    self._answers.append(msg)  # the driver's answer to a step in flight
+        while not self._settled and self._owed and wait_s > 0:
+            rank = min(next(iter(self._owed.values())))  # the oldest request's first laggard
+            msg = self._recv(rank, wait_s)
+            if not isinstance(msg, KVSent):
+                self._answers.append(msg)
+        out, self._settled = self._settled, {}
+        return out
+
+    def _recv(self, rank: int, timeout_s: float) -> Message:
+        """One message from ``rank``; a KVSent is tallied as it comes (and returned too)."""
+        msg = self.launcher.recv(rank, timeout_s)
+        if isinstance(msg, KVSent):
+            for rid in msg.request_ids:
+                owed = self._owed.get(rid)
+                if owed is None:
+                    continue
+                owed.discard(msg.rank)
+                if rid in msg.failed:
+                    self._failed.setdefault(rid, msg.failed[rid])
+                if not owed:
+                    del self._owed[rid]
+                    self._settled[rid] = self._failed.pop(rid, None)
+        return msg
 
     def check(self) -> None:
         """Raise RankFailed if any rank has died (the instance is then torn down)."""
@@ -197,7 +239,14 @@ class MultiProcessExecutor:
         if self._pending:
             raise RuntimeError("control messages go between steps; collect the steps in flight first")
         self.launcher.broadcast(message)
-        return [self.launcher.recv(rank, self.ready_timeout_s) for rank in range(self.world_size)]
+        return [self._answer(rank) for rank in range(self.world_size)]
+
+    def _answer(self, rank: int) -> Message:
+        """``rank``'s answer to a control message (exports settling before it are tallied)."""
+        msg = self._recv(rank, self.ready_timeout_s)
+        while isinstance(msg, KVSent):
+            msg = self._recv(rank, self.ready_timeout_s)
+        return msg
 
     def execute(self, step: StepInput) -> StepOutput:
         self.submit(step)

@@ -2,15 +2,21 @@
 
 ``PDFLOW_TEST_FAULT=<point>:<role>:<rank>:<action>`` (several separated by commas), read
 from the rank's environment (rank processes inherit the owner's): ``action`` is ``die``
-(the process exits at once, as a killed rank would) or ``error`` (the operation raises,
-as a failed transfer would). Unset in every real run; costs one dict lookup per check.
+(the process exits at once, as a killed rank would), ``error`` (the operation raises,
+as a failed transfer would) or ``hold`` (the operation waits until the file named by
+``PDFLOW_TEST_FAULT_RELEASE`` exists, at most ``HOLD_LIMIT_S``: a transfer still in flight
+for as long as a test needs, without a clock). Unset in every real run; costs one dict
+lookup per check.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 ENV = "PDFLOW_TEST_FAULT"
+RELEASE_ENV = "PDFLOW_TEST_FAULT_RELEASE"
+HOLD_LIMIT_S = 120.0
 
 
 class InjectedFault(RuntimeError):
@@ -26,4 +32,13 @@ def inject_fault(point: str, role: str, rank: int) -> None:
         if where == f"{point}:{role}:{rank}":
             if action == "die":
                 os._exit(17)
+            if action == "hold":
+                _hold(os.environ.get(RELEASE_ENV, ""))
+                continue
             raise InjectedFault(f"injected {point} fault on {role} rank {rank}")
+
+
+def _hold(release: str) -> None:
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while release and not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)

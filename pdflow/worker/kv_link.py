@@ -4,9 +4,9 @@ A consumer rank registers every unit cache with the transfer engine and publishe
 ``KVEndpoint`` (session id, addresses, and the layout each unit was built with). A
 producer rank checks every endpoint it will write to against its own run graph at
 pairing, and refuses a mismatch there, by the graph's refusal code, before a byte moves.
-After a step's forward, it writes each exported request's blocks to every consumer rank
-its cut plans name: the bytes and offsets come from the graph's ``CutPlan``, the
-addresses from the endpoints (``transfer.descriptors``).
+Its sender (``worker.kv_sender``) writes each exported request's blocks to every
+consumer rank its cut plans name, off the forward: the bytes and offsets come from the
+graph's ``CutPlan``, the addresses from the endpoints (``transfer.descriptors``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pdflow.transfer.descriptors import UnitRegion, block_descriptors
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.mooncake_engine import MooncakeTransport
 from pdflow.transfer.p2p import P2PListener, P2PPeer, device_identity
-from pdflow.worker.faults import inject_fault
 
 
 def _address(unit: UnitSpec, region: UnitRegion) -> UnitAddress:
@@ -152,27 +151,29 @@ class KVLink:
             old.close()
         self.peers, self.p2p_peers = peers, p2p_peers
 
-    def export(self, exports: list[KVExport]) -> dict[str, str]:
-        """Write every request's blocks to every paired consumer rank; returns the
-        requests that failed and why (the others landed). Called right after the forward
-        that wrote their KV is enqueued: the pairs' copies run in stream order behind it
-        (their host steps overlap the forward), but a direct Mooncake write is read by the
-        engine outside any stream, so the KV must have landed before one starts."""
-        failed = {}
-        device = next(iter(self.caches.values())).device if self.caches else None
-        if exports and self.peers and device is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        for job in exports:
-            try:
-                inject_fault("export", self.role, self.rank)
-                for session, regions, cut in self.peers.values():
-                    desc = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
-                    self.transport.write(session, desc)
-                for peer in self.p2p_peers.values():
-                    peer.send(job.src_blocks, job.dst_blocks, job.request_id, job.nonce)
-            except Exception as err:  # a failed write fails the request, never the rank
-                failed[job.request_id] = f"{type(err).__name__}: {err}"
-        return failed
+    @property
+    def consumer_ranks(self) -> list[int]:
+        """The consumer ranks this rank writes to (its sender sends to them all at once)."""
+        return sorted({*self.peers, *self.p2p_peers})
+
+    @property
+    def writes_outside_streams(self) -> bool:
+        """A direct Mooncake write is read by the engine outside any stream: the host must
+        wait for the forward that wrote the KV before one starts."""
+        return bool(self.peers)
+
+    def send(self, consumer_rank: int, job: KVExport) -> None:
+        """Write one request's blocks into one consumer rank; raises if they did not land.
+        Runs on the sender's thread, in its stream, ordered after the forward that wrote
+        them; each pair has its own lock, so the consumer ranks are written at once."""
+        direct = self.peers.get(consumer_rank)
+        if direct is not None:
+            session, regions, cut = direct
+            self.transport.write(session, block_descriptors(cut, self.regions, regions,
+                                                            job.src_blocks, job.dst_blocks))
+        peer = self.p2p_peers.get(consumer_rank)
+        if peer is not None:
+            peer.send(job.src_blocks, job.dst_blocks, job.request_id, job.nonce)
 
     def close(self) -> None:
         for peer in self.p2p_peers.values():

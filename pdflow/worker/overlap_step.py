@@ -9,7 +9,7 @@ next step's gather runs after this step's sampling, its K/V writes after this st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,6 @@ class LaunchedStep:
     logprobs: torch.Tensor
     done: torch.cuda.Event | None
     graphed: bool
-    export_failed: dict[str, str] = field(default_factory=dict)
     taps: torch.Tensor | None = None
 
     def result(self) -> StepOutput:
@@ -34,7 +33,7 @@ class LaunchedStep:
         if self.done is not None:
             self.done.synchronize()
         out = StepOutput(step=self.step, token_ids=self.tokens.tolist(), logprobs=self.logprobs.tolist(),
-                         cuda_graph=self.graphed, export_failed=self.export_failed)
+                         cuda_graph=self.graphed)
         if self.taps is not None:
             out.taps, out.taps_shape = self.taps.numpy().tobytes(), list(self.taps.shape)
         return out
@@ -56,9 +55,8 @@ def launch(stage: Stage, step: StepInput, samples: torch.Tensor | None) -> tuple
     device = stage.runner.device
     ids, positions, meta = stage.runner.tensors(step, samples)
     hidden, taps, graphed = stage.forward(ids, positions, meta)
-    failed = {}
-    if step.exports:  # KVLink.export orders the KV's writes before anything reads them
-        failed = stage.export(step.exports)
+    if step.exports:  # the sender's reads wait on an event recorded after this forward
+        stage.export(step.exports)
     logits = stage.runner.logits(step, hidden)
     if logits is None:
         stage.runner.sample(step, None)  # drops released requests' generators
@@ -68,7 +66,7 @@ def launch(stage: Stage, step: StepInput, samples: torch.Tensor | None) -> tuple
         tokens, logprobs = stage.runner.sample_on_device(step, logits)
     host_taps = taps.float().cpu().contiguous() if step.capture_taps and taps is not None else None
     launched = LaunchedStep(step=step.step, tokens=_to_host(tokens), logprobs=_to_host(logprobs),
-                            done=None, graphed=graphed, export_failed=failed, taps=host_taps)
+                            done=None, graphed=graphed, taps=host_taps)
     if device.type == "cuda":
         launched.done = torch.cuda.Event()
         launched.done.record()

@@ -2,7 +2,9 @@
 then run every StepInput the owner sends until it says Shutdown.
 
 Hidden states, and the drafter taps captured so far, go stage to stage over
-torch.distributed; the last stage samples and its first TP rank answers the owner.
+torch.distributed; the last stage samples and its first TP rank answers the owner. A
+producer rank hands a step's KV exports to its sender after the step's PP send and
+answers ``KVSent`` from the sender's thread whenever they settle.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pdflow.graph import build_graph, parallel_of
 from pdflow.model.layers import set_tp_group
 from pdflow.parallel.groups import topology, tp_group_ranks
 from pdflow.parallel.launcher import Channel, RankContext
-from pdflow.parallel.messages import ControlMessage, ExportDone, RankReady, Shutdown, StepInput
+from pdflow.parallel.messages import ControlMessage, RankReady, Shutdown, StepInput
 from pdflow.parallel.rendezvous import join_process_group
 from pdflow.worker.control import handle_control
 from pdflow.worker.stage import build_stage, rank_device
@@ -52,6 +54,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     relays_out = bool(plan.stages[me.stage].taps_relayed)
     channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=stage.kv.num_blocks,
                            warm_up_s=warm_up_s))
+    stage.report_sent = channel.send  # the sender's thread reports settled exports (KVSent)
 
     with torch.inference_mode():
         while True:
@@ -83,13 +86,15 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
             hidden, taps, graphed = stage.forward(inputs, positions, meta, taps_in)
             # The drafter writes its units before they are exported (None: no drafter here).
             drafted = stage.draft(msg, ids, positions, meta, hidden, taps)
-            if msg.exports:  # this stage's layers of the finished prompts are in the cache now
-                channel.send(ExportDone(step=msg.step, rank=ctx.rank, failed=stage.export(msg.exports)))
             if not topo.is_last_stage:
                 dist.send(hidden.contiguous(), dst=topo.next_rank)
                 if relays_out:
                     dist.send(taps.contiguous(), dst=topo.next_rank)
+                if msg.exports:  # off the forward: the next stage already has its input
+                    stage.export(msg.exports)
                 continue
+            if msg.exports:  # this stage's layers of the finished prompts are written (enqueued)
+                stage.export(msg.exports)
             # Every TP rank joins the vocab all-gather (the drafter's verify did it already).
             logits = runner.logits(msg, hidden) if drafted is None else None
             if topo.is_driver:

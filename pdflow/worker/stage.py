@@ -8,6 +8,7 @@ units, taps, block count) it asks the run graph.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from pdflow.graph import RankPlan, RunGraph, parallel_of
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
 from pdflow.model.loader import build_model, model_config
-from pdflow.parallel.messages import KVExport, StepInput, StepOutput
+from pdflow.parallel.messages import KVExport, KVSent, StepInput, StepOutput
 from pdflow.spec import ParallelSpec
 from pdflow.spec_decode import duties
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
@@ -27,6 +28,7 @@ from pdflow.worker.drafted_graphs import DraftedGraphRunner
 from pdflow.worker.drafter_build import build_rank_drafter
 from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
+from pdflow.worker.kv_sender import KVSender
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
 from pdflow.worker.warm_up import warm_up
 
@@ -96,8 +98,11 @@ class Stage:
     # New tokens a warm-up step takes at most (0: no warm-up), and the batch it covers.
     warm_tokens: int = 0
     max_num_seqs: int = 1
-    # P/D: this rank's end of the KV transfer, once the owner opened it.
+    # P/D: this rank's end of the KV transfer, once the owner opened it, and its sender
+    # (made at the first export; ``report_sent`` is where it reports, None: kept here).
     link: KVLink | None = None
+    sender: KVSender | None = None
+    report_sent: Callable[[KVSent], None] | None = None
     # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
     # per-step part and its draft KV pool (units exported like the target's).
     drafting: Drafting | None = None
@@ -129,16 +134,28 @@ class Stage:
         stage calls it at start, together."""
         return warm_up(self, announce=announce)
 
-    def export(self, exports: list[KVExport]) -> dict[str, str]:
-        """Write the step's finished prompts to the consumer; the requests that failed."""
-        if self.link is None:
-            return dict.fromkeys((e.request_id for e in exports), f"rank {self.plan.label} has no KV link")
-        return self.link.export(exports)
+    def export(self, exports: list[KVExport]) -> None:
+        """Hand the step's finished prompts to the sender, right after the forward (and
+        the PP send) that wrote them is enqueued; they settle later (``KVSent``)."""
+        if self.sender is None:
+            self.sender = KVSender(self.link, role=self.plan.role, rank=self.plan.rank,
+                                   device=self.runner.device, report=self.report_sent)
+        self.sender.start(exports)
+
+    def settled(self, wait_s: float = 0.0) -> list[KVSent]:
+        """In process: the exports settled since the last call (``KVSender.settled``)."""
+        return self.sender.settled(wait_s) if self.sender is not None else []
+
+    def close_sender(self) -> None:
+        """Let every export in flight settle and stop the sender (before the link changes)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     def draft(self, step: StepInput, ids: torch.Tensor, positions: torch.Tensor, meta,
               hidden: torch.Tensor, taps: torch.Tensor | None) -> DraftedStep | None:
         """The drafter's part of the step (every TP rank of the last stage); None when this
-        stage holds no drafter. Runs before the step's export: it writes draft units."""
+        stage holds no drafter. Runs before the step's export starts: it writes draft units."""
         if self.drafting is None:
             return None
         return self.drafting.step(step, ids, positions, meta, hidden, taps, self.model.compute_logits)
@@ -168,6 +185,7 @@ class Stage:
 
     def release(self) -> None:
         """Give the device memory back: graphs, caches and weights."""
+        self.close_sender()
         if self.link is not None:
             self.link.close()
             self.link = None
