@@ -72,7 +72,7 @@ def prefill_exporting(d, prompts, params) -> list[int]:
         blocks = consumer.add_remote_request(p, params, rid)
         if blocks is None:
             raise SystemExit("the decode pool is too small for every prompt at once; raise num_kv_blocks")
-        producer.add_request(p, params, rid, kv_target=KVTarget(blocks=tuple(blocks), nonce=i + 1))
+        producer.add_request(p, params, rid, kv_target=KVTarget(blocks=tuple(blocks), nonce=consumer.instance.kv_nonce(blocks)))
         ids.append(rid)
     first = {}
     legacy = getattr(producer, "export_results", None)  # the code before issue 29, for "before"

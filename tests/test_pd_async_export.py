@@ -42,7 +42,7 @@ def _monolithic(prompts, device=()):
 def _admit(d, rid, prompt):
     blocks = d.consumer.add_remote_request(prompt, GREEDY, rid)
     first = dataclasses.replace(GREEDY, max_tokens=1)
-    d.producer.add_request(prompt, first, rid, kv_target=KVTarget(blocks=tuple(blocks), nonce=d.consumer.kv_nonce(blocks)))
+    d.producer.add_request(prompt, first, rid, kv_target=KVTarget(blocks=tuple(blocks), nonce=d.consumer.instance.kv_nonce(blocks)))
 
 
 def _decode(d, firsts):
