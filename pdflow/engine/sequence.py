@@ -61,6 +61,12 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     fresh: bool = False
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    # SamplingParams.prompt_logprobs: prompt tokens 1.. scored so far, with their top k
+    # ((token id, logprob) pairs), gathered chunk by chunk as the prompt is prefilled.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # SamplingParams.logprobs: each output token's top k.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

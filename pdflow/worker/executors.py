@@ -102,7 +102,7 @@ class InProcessExecutor:
         drafted = stage.draft(step, ids, positions, meta, hidden, taps)
         failed = stage.export(step.exports) if step.exports else {}
         logits = stage.runner.logits(step, hidden) if drafted is None else None
-        out = stage.answer(step, logits, taps, graphed, drafted)
+        out = stage.answer(step, logits, taps, graphed, drafted, stage.score_prompts(step, hidden))
         out.export_failed = failed
         return out
 
