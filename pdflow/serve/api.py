@@ -199,12 +199,22 @@ def _job(backend: ServingBackend, req: SamplingFields, ids: list[int], *, chat: 
     if any(t >= backend.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {backend.vocab_size})", param="stop_token_ids",
                        code="invalid_value")
+    if chat:  # logprobs: true; top_logprobs: k (0 when unset)
+        top, echo = (req.top_logprobs or 0) if req.logprobs else None, False
+    else:
+        top, echo = req.logprobs, bool(req.echo)
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0), seed=req.seed, max_tokens=max_tokens,
         stop=list(req.stop or []), stop_token_ids=list(stop_ids), ignore_eos=req.ignore_eos,
+        logprobs=top, prompt_logprobs=top if echo else None,
     )
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    prompt_text = ""
+    if echo:
+        prompt_text = req.prompt if isinstance(req.prompt, str) else (
+            backend.tokenizer.decode(ids) if backend.tokenizer is not None else "")
     return Job(chat=chat, model=model_name, prompt_token_ids=ids, sampling=sampling,
-               stream=bool(req.stream), include_usage=include_usage)
+               stream=bool(req.stream), include_usage=include_usage, n=req.n or 1, echo=echo,
+               logprobs=top, prompt_text=prompt_text, tokenizer=backend.tokenizer)
