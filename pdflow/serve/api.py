@@ -195,6 +195,12 @@ def _job(backend: ServingBackend, req: SamplingFields, ids: list[int], *, chat: 
                        f"requested {n + max_tokens} tokens ({n} in the {where}, {max_tokens} for the "
                        f"completion). Please reduce the {where} or {name}.",
                        param=name, code="context_length_exceeded")
+    choices = req.n or 1
+    blocks = choices * -(-(n + 1) // backend.block_size)  # what admission reserves for them
+    if choices > 1 and blocks > backend.num_kv_blocks:
+        raise APIError(400, f"n={choices} choices of a {n}-token {where} need {blocks} KV blocks at once; this "
+                       f"server holds {backend.num_kv_blocks}. Lower n or shorten the {where}.",
+                       param="n", code="invalid_value")
     stop_ids = req.stop_token_ids or []
     if any(t >= backend.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {backend.vocab_size})", param="stop_token_ids",
@@ -216,5 +222,5 @@ def _job(backend: ServingBackend, req: SamplingFields, ids: list[int], *, chat: 
         prompt_text = req.prompt if isinstance(req.prompt, str) else (
             backend.tokenizer.decode(ids) if backend.tokenizer is not None else "")
     return Job(chat=chat, model=model_name, prompt_token_ids=ids, sampling=sampling,
-               stream=bool(req.stream), include_usage=include_usage, n=req.n or 1, echo=echo,
+               stream=bool(req.stream), include_usage=include_usage, n=choices, echo=echo,
                logprobs=top, prompt_text=prompt_text, tokenizer=backend.tokenizer)
