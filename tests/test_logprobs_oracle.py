@@ -42,23 +42,23 @@ def _hf_logprobs(folder, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _check(folder, out, prompt):
+def _check(folder, out, prompt, atol=1e-4):
     full = prompt + out.token_ids
     ref = _hf_logprobs(folder, full)
     n = len(prompt)
     want = ref[torch.arange(n - 1), torch.tensor(prompt[1:])]
     assert len(out.prompt_logprobs) == n - 1
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=atol, rtol=1e-4)
     for pos, top in enumerate(out.prompt_top_logprobs):
         values, ids = ref[pos].topk(TOP)
         assert [t for t, _ in top] == ids.tolist()
-        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=atol, rtol=1e-4)
     for j, top in enumerate(out.top_logprobs):  # generated token j was scored at n - 1 + j
         values, ids = ref[n - 1 + j].topk(TOP)
         assert [t for t, _ in top] == ids.tolist()
-        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=atol, rtol=1e-4)
         assert out.token_ids[j] == ids[0].item()  # greedy: the most likely one
-        assert out.logprobs[j] == pytest.approx(values[0].item(), abs=1e-4)
+        assert out.logprobs[j] == pytest.approx(values[0].item(), abs=atol)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +112,18 @@ def test_pd_prompt_logprobs_equal_transformers(checkpoint):
     for out, prompt in zip(outs, prompts, strict=True):
         assert out.error is None
         _check(checkpoint, out, prompt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_overlap_logprobs_equal_transformers(checkpoint):
+    """On a GPU one rank schedules with overlap (the launched step's logprobs path) and
+    runs the Triton kernels and decode graphs; the values still equal transformers'."""
+    prompts = _prompts()
+    spec = ParallelSpec(block_size=16, kv_page_tokens=16, num_kv_blocks=32, max_num_batched_tokens=32,
+                        device="cuda")
+    with LLM(str(checkpoint), spec, dtype="float32") as llm:
+        assert llm.engine.executor.overlap
+        outs = llm.generate(prompts, ASK)
+    for out, prompt in zip(outs, prompts, strict=True):
+        _check(checkpoint, out, prompt, atol=5e-3)  # Triton's fp32 dots may round through TF32

@@ -126,3 +126,12 @@ def test_cached_tokens_are_the_engines_prefix_cache_hits(tiny_server, client):
     assert warm == (len(ids) - 1) // 16 * 16  # every full block but the last token's
     raw = httpx.post(tiny_server.url + "/v1/completions", json=kw).json()
     assert raw["usage"]["prompt_tokens_details"] == {"cached_tokens": warm}
+
+
+def test_echo_alone_prepends_the_prompt_streamed_or_not(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0)
+    plain = client.completions.create(**kw).choices[0]
+    echoed = client.completions.create(**kw, echo=True).choices[0]
+    assert echoed.text == PROMPTS[1] + plain.text and echoed.logprobs is None
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, echo=True, stream=True))
+    assert streamed == echoed.text
