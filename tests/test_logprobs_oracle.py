@@ -109,9 +109,13 @@ def test_pd_prompt_logprobs_equal_transformers(checkpoint):
     prompts = _prompts()
     with Deployment(spec) as d:
         outs = d.generate(prompts, ASK)
+        # Not asking for prompt logprobs, the same prompt hits the producer's prefix cache;
+        # the count travels with the first token: every full block but the last token's.
+        again = d.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=2))[0]
     for out, prompt in zip(outs, prompts, strict=True):
         assert out.error is None
         _check(checkpoint, out, prompt)
+    assert again.num_cached_prompt_tokens == (len(prompts[1]) - 1) // 16 * 16
 
 
 @pytest.mark.gpu
