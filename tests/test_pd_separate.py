@@ -105,6 +105,23 @@ def test_separate_instances_serve_the_deployments_greedy_tokens(separate):
     assert card["role"] == "prefill" and card["prefills"] == len(PROMPTS)  # the producer did prefill
 
 
+def test_echo_logprobs_through_separate_instances_equal_the_deployments(separate):
+    """The prefill instance scores the prompt; the scores travel in its answer."""
+    ask = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    with Deployment(compose(SPEC)) as d:
+        ids = d.tokenizer.encode(PROMPTS[1])
+        want = d.generate([ids], ask)[0]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 2}
+    r = httpx.post(separate["router"] + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want.prompt_logprobs + want.logprobs, abs=1e-5)
+    assert [max(t.values()) for t in lp["top_logprobs"][len(ids):]] == pytest.approx(
+        [top[0][1] for top in want.top_logprobs], abs=1e-5)
+
+
 def test_instances_of_another_graph_or_role_are_refused(separate):
     prefill, decode = separate["prefill"], separate["decode"]
     with pytest.raises(RunGraphMismatch, match="given as a prefill instance but serves serve.role=decode"):

@@ -110,7 +110,9 @@ BAD = [
     ("range high", {"temperature": 2.5}, "temperature", "invalid_value"),
     ("top_p zero", {"top_p": 0.0}, "top_p", "invalid_value"),
     ("negative seed", {"seed": -1}, "seed", "invalid_value"),
-    ("n > 1", {"n": 2}, "n", "invalid_value"),
+    ("n above 16", {"n": 17}, "n", "invalid_value"),
+    ("best_of other than n", {"n": 2, "best_of": 3}, "best_of", "invalid_value"),
+    ("logprobs above 20", {"logprobs": 21}, "logprobs", "invalid_value"),
     ("stop type", {"stop": 7}, "stop", "invalid_value"),
     ("too many stops", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
     ("empty prompt list", {"prompt": []}, "prompt", "invalid_value"),
@@ -118,7 +120,7 @@ BAD = [
     ("token id out of vocab", {"prompt": [1, 5000]}, "prompt", "invalid_value"),
     ("unknown field", {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ("missing model", {"model": None}, "model", "invalid_type"),
-    ("unsupported option", {"echo": True}, "echo", "invalid_value"),
+    ("unsupported option", {"suffix": "x"}, "suffix", "invalid_value"),
     ("stream_options without stream", {"stream_options": {"include_usage": True}}, "stream_options",
      "invalid_value"),
     ("max_tokens past max_model_len", {"max_tokens": MAX_MODEL_LEN}, "max_tokens", "context_length_exceeded"),
@@ -141,7 +143,7 @@ CHAT_BAD = [
     ("no messages", {"messages": []}, "messages", "invalid_value"),
     ("bad role", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ("content type", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_value"),
-    ("logprobs", {"logprobs": True}, "logprobs", "invalid_value"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ("tools", {"tools": [{"type": "function"}]}, "tools", "invalid_value"),
 ]
 
@@ -186,7 +188,7 @@ def test_metrics_agree_with_what_clients_saw(served, client):
                                       extra_body={"ignore_eos": True})
         completion_tokens += r.usage.completion_tokens
     for _ in range(2):
-        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 3})
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
     after = _metrics(url)
 
     def delta(name, **labels):

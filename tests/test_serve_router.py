@@ -70,8 +70,8 @@ def test_openai_client_through_the_router_matches_the_instance(tiny_server):
         assert "".join(c.choices[0].text for c in chunks) == want
         assert [m.id for m in client.models.list().data] == [MODEL]
         # A backend's 4xx passes through as it is.
-        direct = httpx.post(tiny_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
-        routed = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+        direct = httpx.post(tiny_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
+        routed = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
         assert (routed.status_code, routed.json()) == (400, direct.json())
 
 

@@ -159,3 +159,21 @@ def test_a_pp_last_stage_without_tap_layers_captures_none():
     stage = build_stage(graph, "decode", last, torch.device("cpu"))
     assert stage.runner.capture_layers == () and stage.drafting is not None
     stage.release()
+
+
+def test_top_logprobs_of_accepted_drafts_equal_those_without_a_drafter(plain):
+    """Each emitted token's top k comes from the verify's logits row that scored it."""
+    from pdflow.bench.tasks.evalsets import arith_eval_set
+
+    prompts = [item.prompt for item in arith_eval_set(2, k_shot=1)]
+    ask = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    want = plain.generate(prompts, ask)
+    with LLM.from_run_spec(compose_spec([*BASE, "drafter=dspark"]), role="decode") as llm:  # the shipped one
+        got = llm.generate(prompts, ask)
+    assert sum(o.num_accepted for o in got) > 0  # runs of several tokens per forward were scored
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert len(g.top_logprobs) == len(g.token_ids)
+        for a, b in zip(g.top_logprobs, w.top_logprobs, strict=True):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)

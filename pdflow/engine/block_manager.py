@@ -63,6 +63,8 @@ class BlockManager:
         logits must be computed."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
+        if seq.sampling.prompt_logprobs is not None:  # every prompt position must be computed
+            return 0
         bs, parent = self.block_size, None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

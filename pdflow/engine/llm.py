@@ -196,4 +196,8 @@ class LLM(EngineFacts):
             num_cached_prompt_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
             num_drafted=seq.acceptance.proposed, num_accepted=seq.acceptance.accepted,
             num_verify_steps=seq.acceptance.verify_steps,
+            top_logprobs=list(seq.top_logprobs) if seq.sampling.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.sampling.prompt_logprobs is not None else None,
+            prompt_top_logprobs=(list(seq.prompt_top_logprobs) if seq.sampling.prompt_logprobs is not None
+                                 else None),
         )

@@ -15,6 +15,7 @@ from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import KVTarget, Sequence, SequenceStatus
 from pdflow.engine.step_input import build_step_input
 from pdflow.model.config import DecoderConfig
+from pdflow.parallel.messages import PromptLogprobs
 from pdflow.spec_decode.stats import AcceptanceStats
 from pdflow.worker.stage import draft_lookahead
 
@@ -160,13 +161,16 @@ class LLMEngine:
             if not seq.finished:  # finished in flight: its token is dropped, its blocks freed below
                 seq.num_computed_tokens += n - d  # accepted drafts count once appended
                 self.blocks.commit(seq)
+        _gather_prompt_logprobs(batch.seqs, result.prompt_logprobs)
         counts = result.num_emitted or [1] * len(sampled)
         drafts = result.draft_ids or [[] for _ in sampled]
+        tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in result.top_logprobs] or None
         samples = {id(seq) for seq in sampled}
         offered = [d for seq, d in zip(batch.seqs, batch.num_drafts, strict=True) if id(seq) in samples]
         outputs, at = [], 0
         for seq, count, d, nxt in zip(sampled, counts, offered, drafts, strict=True):
-            run = list(zip(result.token_ids[at:at + count], result.logprobs[at:at + count], strict=True))
+            run = list(zip(result.token_ids[at:at + count], result.logprobs[at:at + count],
+                           tops[at:at + count] if tops else [None] * count, strict=True))
             at += count
             if seq.kv_target is not None and seq.first_sample is None:  # its export left with this step
                 outputs += self._hold_for_export(seq, run[0])
@@ -184,12 +188,12 @@ class LLMEngine:
                 self.blocks.free(seq)
         return outputs
 
-    def _emit_run(self, seq: Sequence, run: list[tuple[int, float]]) -> list[TokenOutput]:
+    def _emit_run(self, seq: Sequence, run: list[tuple[int, float, list | None]]) -> list[TokenOutput]:
         """Append a step's tokens (accepted drafts, then one) up to a stop: each accepted
         draft's K/V came from this step's forward, so it is computed once appended."""
         outputs = []
-        for i, (token, logprob) in enumerate(run):
-            outputs.append(self._emit(seq, token, logprob))
+        for i, (token, logprob, top) in enumerate(run):
+            outputs.append(self._emit(seq, token, logprob, top))
             if seq.finished:
                 break
             if i < len(run) - 1:
@@ -198,25 +202,36 @@ class LLMEngine:
             self.blocks.commit(seq)
         return outputs
 
-    def _emit(self, seq: Sequence, token: int, logprob: float) -> TokenOutput:
-        """Append a sampled token, finish the sequence if it ends here, report it."""
+    def _emit(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None = None,
+              ) -> TokenOutput:
+        """Append a sampled token, finish the sequence if it ends here, report it (the
+        first token also carries what the request learnt of its prompt)."""
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        if seq.sampling.logprobs is not None:
+            seq.top_logprobs.append(top or [])
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._released.append(seq.request_id)
         stats = seq.acceptance
-        return TokenOutput(
+        out = TokenOutput(
             request_id=seq.request_id, index=seq.num_output_tokens - 1, token_id=token,
             logprob=logprob, text=self.detokenizer.delta(seq), finished=seq.finished,
             finish_reason=seq.finish_reason, num_drafted=stats.proposed, num_accepted=stats.accepted,
             num_verify_steps=stats.verify_steps,
+            top_logprobs=(top or []) if seq.sampling.logprobs is not None else None,
         )
+        if out.index == 0:
+            out.num_cached_tokens = seq.num_cached_tokens
+            if seq.sampling.prompt_logprobs is not None:
+                out.prompt_logprobs = list(seq.prompt_logprobs)
+                out.prompt_top_logprobs = list(seq.prompt_top_logprobs)
+        return out
 
     # -- P/D producer: blocks held until the prompt's KV is sent ---------------------------
 
-    def _hold_for_export(self, seq: Sequence, sample: tuple[int, float]) -> list[TokenOutput]:
+    def _hold_for_export(self, seq: Sequence, sample: tuple[int, float, list | None]) -> list[TokenOutput]:
         """The step that completed ``seq``'s prompt is back and its export on the way: keep
         the token and the blocks (the sender reads them) until the export settles."""
         seq.first_sample = sample
@@ -273,18 +288,24 @@ class LLMEngine:
         self.scheduler.park(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
         return list(seq.block_table)
 
-    def complete_remote_prefill(self, request_id: str, token: int, logprob: float) -> TokenOutput:
+    def complete_remote_prefill(self, request_id: str, token: int, logprob: float,
+                                first: TokenOutput | None = None) -> TokenOutput:
         """The prompt's KV is in this instance's blocks and the producer sampled ``token``:
-        decode on from there, as if this instance had prefilled itself."""
+        decode on from there, as if this instance had prefilled itself. ``first``: the
+        producer's report of that token, whose logprobs and prefix-cache hits travel on."""
         seq = self.scheduler.unpark(request_id, SequenceStatus.WAITING_FOR_REMOTE_KV)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        if first is not None:
+            seq.num_cached_tokens = first.num_cached_tokens
+            seq.prompt_logprobs = list(first.prompt_logprobs or [])
+            seq.prompt_top_logprobs = list(first.prompt_top_logprobs or [])
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.blocks.commit(seq)
         seq.status = SequenceStatus.RUNNING
         seq.fresh = True  # the drafter adopts the prompt's transferred draft context
         self.scheduler.running.append(seq)
-        return self._emit(seq, token, logprob)
+        return self._emit(seq, token, logprob, first.top_logprobs if first is not None else None)
 
     def fail_remote(self, request_id: str, reason: str = "error") -> bool:
         """The prompt's KV will not come (producer gone, transfer failed): free its blocks."""
@@ -344,3 +365,15 @@ class LLMEngine:
     @property
     def kv_usage(self) -> float:
         return self.blocks.usage
+
+
+def _gather_prompt_logprobs(seqs: list[Sequence], scored: list[PromptLogprobs]) -> None:
+    """Append a step's prompt logprobs to their sequences (chunks arrive in order)."""
+    if not scored:
+        return
+    by_id = {seq.request_id: seq for seq in seqs}
+    for part in scored:
+        seq = by_id[part.request_id]
+        seq.prompt_logprobs += part.logprobs
+        tops = part.top or [None] * len(part.logprobs)
+        seq.prompt_top_logprobs += [list(zip(t.token_ids, t.logprobs, strict=True)) if t else [] for t in tops]

@@ -29,6 +29,15 @@ class TokenOutput:
     # landed unless ``kv_error`` says why not).
     kv_settled: bool = False
     kv_error: str | None = None
+    # SamplingParams.logprobs: the k most likely tokens at this position (token id,
+    # logprob), most likely first; None when the request did not ask.
+    top_logprobs: list[tuple[int, float]] | None = None
+    # On a request's first token only. SamplingParams.prompt_logprobs: the logprob of
+    # prompt tokens 1.. (the first has none) and each position's top k; prompt tokens
+    # served from the prefix cache (what usage.prompt_tokens_details.cached_tokens says).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,6 +58,10 @@ class RequestOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
+    # SamplingParams.logprobs / prompt_logprobs (see TokenOutput); None when not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def acceptance_rate(self) -> float:

@@ -61,7 +61,7 @@ class Sequence:
     # the token that step sampled (emitted once the KV has settled), and, once it has,
     # None (landed) or why not (``kv_settled`` says whether it has).
     kv_target: KVTarget | None = None
-    first_sample: tuple[int, float] | None = None
+    first_sample: tuple[int, float, list | None] | None = None
     kv_settled: bool = False
     kv_error: str | None = None
     # Speculative decoding: the drafts proposed after the last token (scored with it by
@@ -70,6 +70,12 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     fresh: bool = False
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    # SamplingParams.prompt_logprobs: prompt tokens 1.. scored so far, with their top k
+    # ((token id, logprob) pairs), gathered chunk by chunk as the prompt is prefilled.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # SamplingParams.logprobs: each output token's top k.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdflow.engine.scheduler import ScheduledBatch
 from pdflow.engine.sequence import Sequence
-from pdflow.parallel.messages import KVExport, SamplingSpec, StepInput
+from pdflow.parallel.messages import KVExport, PromptLogprobRows, SamplingSpec, StepInput
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
@@ -28,6 +28,16 @@ def _check_source(seq: Sequence, step: int) -> None:
         )
 
 
+def _prompt_rows(seq: Sequence, start: int, end: int, first_row: int) -> PromptLogprobRows | None:
+    """Rows of positions [start, end) that score a prompt token not scored yet (position
+    p scores token p + 1; a recomputed prompt is not scored twice)."""
+    lo, hi = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+    if lo >= hi:
+        return None
+    return PromptLogprobRows(request_id=seq.request_id, first_row=first_row + lo - start,
+                             targets=seq.token_ids[lo + 1:hi + 1], top=seq.sampling.prompt_logprobs)
+
+
 def build_step_input(
     batch: ScheduledBatch, *, block_size: int, step: int, released: list[str], speculative: bool = False,
 ) -> tuple[StepInput, list[Sequence]]:
@@ -43,6 +53,7 @@ def build_step_input(
     exports: list[KVExport] = []
     num_drafts, next_ids, adopt = [], [], []
     holes, sources, source_step = [], [], -1
+    prompt_rows: list[PromptLogprobRows] = []
     for seq, n, d, ahead in zip(batch.seqs, batch.num_new_tokens, batch.num_drafts, batch.ahead, strict=True):
         if ahead:  # overlap: one row, the token its step in flight samples (not known here)
             start, end = seq.num_tokens, seq.num_tokens + 1
@@ -63,6 +74,10 @@ def build_step_input(
             continue
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         known = end - d  # rows past it are drafts
+        if seq.sampling.prompt_logprobs is not None:
+            rows_of_prompt = _prompt_rows(seq, start, known, len(ids))
+            if rows_of_prompt is not None:
+                prompt_rows.append(rows_of_prompt)
         ids.extend(seq.token_ids[start:known])
         ids.extend(seq.draft_ids[:d])
         positions.extend(range(start, end))
@@ -106,7 +121,10 @@ def build_step_input(
         placeholder_rows=holes,
         placeholder_samples=sources,
         placeholder_step=source_step,
+        prompt_logprobs=prompt_rows,
     )
+    if any(s.sampling.logprobs is not None for s in sampled):
+        message.top_logprobs = [-1 if s.sampling.logprobs is None else s.sampling.logprobs for s in sampled]
     if speculative:
         message.num_drafts, message.next_token_ids, message.context_adopt = num_drafts, next_ids, adopt
     return message, sampled

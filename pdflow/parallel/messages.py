@@ -41,6 +41,33 @@ class KVExport(msgspec.Struct, kw_only=True):
     dst_blocks: list[int]
 
 
+class PromptLogprobRows(msgspec.Struct, kw_only=True):
+    """One request's prompt positions in this step whose logits score the next prompt
+    token: flattened rows ``first_row ..`` each predicting ``targets[i]``; ``top``: how
+    many most likely tokens to report per row as well."""
+
+    request_id: str
+    first_row: int
+    targets: list[int]
+    top: int = 0
+
+
+class TopLogprobs(msgspec.Struct, kw_only=True, array_like=True):
+    """The most likely tokens at one position, most likely first (logprobs under the
+    model's unmodified distribution)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class PromptLogprobs(msgspec.Struct, kw_only=True):
+    """What a step computed of one request's PromptLogprobRows, row for row."""
+
+    request_id: str
+    logprobs: list[float]
+    top: list[TopLogprobs] = []
+
+
 class StepInput(msgspec.Struct, tag=True, kw_only=True):
     step: int
     # Request ids, in batch order.
@@ -77,6 +104,11 @@ class StepInput(msgspec.Struct, tag=True, kw_only=True):
     placeholder_rows: list[int] = []
     placeholder_samples: list[int] = []
     placeholder_step: int = -1
+    # Logprobs a request asked for (empty when none did: the default step pays nothing).
+    # Per sampled row, how many most likely tokens to report with its token(s) (-1: none);
+    # and prompt positions to score (echo with logprobs), computed from this forward.
+    top_logprobs: list[int] = []
+    prompt_logprobs: list[PromptLogprobRows] = []
 
 
 class StepOutput(msgspec.Struct, tag=True, kw_only=True):
@@ -93,6 +125,10 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
     # token_ids/logprobs are flat over them), and its drafts for the next step.
     num_emitted: list[int] = []
     draft_ids: list[list[int]] = []
+    # StepInput.top_logprobs: per emitted token (flat like token_ids), its top k (empty
+    # for rows that did not ask); StepInput.prompt_logprobs answered in the same order.
+    top_logprobs: list[TopLogprobs] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class KVSent(msgspec.Struct, tag=True, kw_only=True):

@@ -195,16 +195,32 @@ def _job(backend: ServingBackend, req: SamplingFields, ids: list[int], *, chat: 
                        f"requested {n + max_tokens} tokens ({n} in the {where}, {max_tokens} for the "
                        f"completion). Please reduce the {where} or {name}.",
                        param=name, code="context_length_exceeded")
+    choices = req.n or 1
+    blocks = choices * -(-(n + 1) // backend.block_size)  # what admission reserves for them
+    if choices > 1 and blocks > backend.num_kv_blocks:
+        raise APIError(400, f"n={choices} choices of a {n}-token {where} need {blocks} KV blocks at once; this "
+                       f"server holds {backend.num_kv_blocks}. Lower n or shorten the {where}.",
+                       param="n", code="invalid_value")
     stop_ids = req.stop_token_ids or []
     if any(t >= backend.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {backend.vocab_size})", param="stop_token_ids",
                        code="invalid_value")
+    if chat:  # logprobs: true; top_logprobs: k (0 when unset)
+        top, echo = (req.top_logprobs or 0) if req.logprobs else None, False
+    else:
+        top, echo = req.logprobs, bool(req.echo)
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0), seed=req.seed, max_tokens=max_tokens,
         stop=list(req.stop or []), stop_token_ids=list(stop_ids), ignore_eos=req.ignore_eos,
+        logprobs=top, prompt_logprobs=top if echo else None,
     )
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    prompt_text = ""
+    if echo:
+        prompt_text = req.prompt if isinstance(req.prompt, str) else (
+            backend.tokenizer.decode(ids) if backend.tokenizer is not None else "")
     return Job(chat=chat, model=model_name, prompt_token_ids=ids, sampling=sampling,
-               stream=bool(req.stream), include_usage=include_usage)
+               stream=bool(req.stream), include_usage=include_usage, n=choices, echo=echo,
+               logprobs=top, prompt_text=prompt_text, tokenizer=backend.tokenizer)

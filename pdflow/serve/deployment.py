@@ -46,6 +46,10 @@ class _Request:
     aborted: bool = False
     # Speculative decoding counts, as the last token reported them.
     spec_counts: tuple[int, int, int] = (0, 0, 0)
+    # What the first token reported (prompt logprobs, prefix-cache hits), and each token's
+    # top logprobs when asked.
+    first: TokenOutput | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Deployment(EngineFacts):
@@ -222,7 +226,8 @@ class Deployment(EngineFacts):
                 # requests go to the producer alone instead of failing the same way.
                 yield from self._guarded(CONSUMER, self._probe_consumer)
             else:
-                yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id, out.logprob))
+                yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id,
+                                                                         out.logprob, first=out))
 
     def _collect_consumer(self) -> list[TokenOutput]:
         return [self._record(out) for out in self.consumer.collect()]
@@ -264,6 +269,10 @@ class Deployment(EngineFacts):
             req.logprobs.append(out.logprob)
             req.text += out.text
             req.spec_counts = (out.num_drafted, out.num_accepted, out.num_verify_steps)
+            if out.index == 0:
+                req.first = out
+            if out.top_logprobs is not None:
+                req.top_logprobs.append(out.top_logprobs)
             if out.finished:
                 req.finish_reason = out.finish_reason
                 self._settle(req)
@@ -282,10 +291,15 @@ class Deployment(EngineFacts):
                            finish_reason="error", error=why)
 
     def _output(self, req: _Request) -> RequestOutput:
+        first = req.first
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=req.tokens,
             logprobs=req.logprobs, text=req.text, finish_reason=req.finish_reason, error=req.error,
             num_drafted=req.spec_counts[0], num_accepted=req.spec_counts[1], num_verify_steps=req.spec_counts[2],
+            num_cached_prompt_tokens=first.num_cached_tokens if first is not None else 0,
+            top_logprobs=req.top_logprobs if req.sampling.logprobs is not None else None,
+            prompt_logprobs=first.prompt_logprobs if first is not None else None,
+            prompt_top_logprobs=first.prompt_top_logprobs if first is not None else None,
         )
 
     # -- reporting ----------------------------------------------------------------------

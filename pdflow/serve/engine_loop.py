@@ -40,6 +40,14 @@ class StreamEvent:
     error: str | None = None
     error_status: int = 500
     retry_after_s: int | None = None
+    # Per token: its logprob, and its top logprobs when the request asked. A request's
+    # first event also carries its prompt logprobs (when asked) and its prompt tokens
+    # served from the prefix cache (TokenOutput's fields, copied).
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def done(self) -> bool:
@@ -208,7 +216,10 @@ class EngineLoop:
                 continue
             self._on_token(ticket, now)
             ticket.last_token_at = now
-            event = StreamEvent(token_ids=[out.token_id], text=out.text)
+            event = StreamEvent(token_ids=[out.token_id], text=out.text, logprobs=[out.logprob],
+                                top_logprobs=None if out.top_logprobs is None else [out.top_logprobs],
+                                prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
+                                num_cached_tokens=out.num_cached_tokens)
             if out.finished:
                 event.finish_reason = out.finish_reason or "stop"
                 event.draft = self.backend.draft_stats(out.request_id)

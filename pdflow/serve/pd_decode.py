@@ -153,7 +153,8 @@ class DecodeBackend(EngineFacts):
             return False
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
                             sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
-                                                  top_p=sampling.top_p, seed=sampling.seed),
+                                                  top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs,
+                                                  prompt_logprobs=sampling.prompt_logprobs),
                             blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
@@ -197,7 +198,11 @@ class DecodeBackend(EngineFacts):
                 outputs.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
                                            finish_reason="error", error=answer.error))
             else:
-                outputs.append(self.engine.complete_remote_prefill(rid, answer.token_id, answer.logprob))
+                first = TokenOutput(request_id=rid, index=0, token_id=answer.token_id, logprob=answer.logprob,
+                                    top_logprobs=answer.top_logprobs, prompt_logprobs=answer.prompt_logprobs,
+                                    prompt_top_logprobs=answer.prompt_top_logprobs,
+                                    num_cached_tokens=answer.num_cached_tokens)
+                outputs.append(self.engine.complete_remote_prefill(rid, answer.token_id, answer.logprob, first))
             try:
                 item = self.results.get_nowait()
             except queue.Empty:

@@ -97,8 +97,10 @@ class PrefillBackend(EngineFacts):
                 if out.request_id in self.remote:
                     self.remote.discard(out.request_id)
                     failed = out.kv_error
-                    self.answers[out.request_id] = PrefillAnswer(token_id=out.token_id, logprob=out.logprob,
-                                                                 error=failed and f"KV transfer failed: {failed}")
+                    self.answers[out.request_id] = PrefillAnswer(
+                        token_id=out.token_id, logprob=out.logprob, error=failed and f"KV transfer failed: {failed}",
+                        top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
+                        prompt_top_logprobs=out.prompt_top_logprobs, num_cached_tokens=out.num_cached_tokens)
                     self.prefills += failed is None
                 outputs.append(out)
         elif not outputs:
@@ -173,7 +175,7 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
         s = job.sampling
         try:
             sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                                      max_tokens=1)
+                                      max_tokens=1, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs)
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None
         ticket, events = host.loop.open_stream(RemotePrompt(job), sampling)

@@ -56,6 +56,9 @@ class WireSampling(msgspec.Struct, kw_only=True):
     top_k: int
     top_p: float
     seed: int | None
+    # Top logprobs of the first token, and the prompt's logprobs (echo), when asked.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class RemotePrefill(msgspec.Struct, kw_only=True):
@@ -72,6 +75,11 @@ class PrefillAnswer(msgspec.Struct, kw_only=True):
     logprob: float
     # Set when the KV did not land (the consumer frees the request's blocks).
     error: str | None = None
+    # What the first token reports (TokenOutput's fields), for the consumer to hand on.
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
 
 
 def fingerprint(spec: RunSpec) -> str:

@@ -1,9 +1,24 @@
 """Request bodies of the OpenAI API, validated strictly (types are not coerced: "5" is
 not an int, true is not a number) so a client's mistake is a 400, not a surprise.
 
-Only what the engine can honour is accepted: ``n`` (and ``best_of``) 1, no penalties,
-no logprobs, no echo. pdflow extensions, as vLLM names them: ``top_k``, ``ignore_eos``,
-``stop_token_ids``.
+Accepted as vLLM accepts them (what evaluation and benchmark clients send):
+
+- ``n`` (1..16): that many choices, each its own engine request; with ``seed``, choice
+  ``i`` samples from a generator seeded ``seed + i`` (the same seed gives the same tokens).
+  ``best_of`` only equal to ``n`` (or unset).
+- ``seed``: the request's own generator, so its samples do not depend on the batch.
+- completions ``logprobs`` (0..20): each token's logprob and its top k (the chosen token is
+  added to ``top_logprobs`` when outside them); with ``echo``, the prompt's text, tokens and
+  logprobs come first (the first prompt token's logprob is null), computed where the prompt
+  is prefilled (the prefill instance under P/D; a prompt asking for them is not served
+  from the prefix cache). ``echo`` alone prepends the prompt's text.
+- chat ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs``).
+- ``stream_options.include_usage``: a last chunk with ``usage`` (and ``usage: null`` on
+  the others). Every usage says ``prompt_tokens_details.cached_tokens``: the prompt tokens
+  served from the prefix cache.
+
+Refused (400): penalties, ``logit_bias``, ``suffix``, tools. pdflow extensions, as vLLM
+names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -21,6 +36,8 @@ from pydantic import (
 )
 
 MAX_STOPS = 4
+MAX_N = 16
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 def _documented(schema: dict) -> WithJsonSchema:
@@ -33,7 +50,6 @@ _NULL = {"type": "null"}
 _STOP = _documented({"anyOf": [{"type": "string", "minLength": 1},
                                {"type": "array", "items": {"type": "string", "minLength": 1},
                                 "maxItems": MAX_STOPS}, _NULL]})
-_ONE = _documented({"anyOf": [{"const": 1}, _NULL]})
 _ZERO = _documented({"anyOf": [{"const": 0}, _NULL]})
 _NONE_OR_EMPTY = _documented({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]})
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -78,7 +94,7 @@ class SamplingFields(_Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    n: Annotated[int | None, _ONE] = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Annotated[Any, _STOP] = None
@@ -94,11 +110,6 @@ class SamplingFields(_Strict):
     @classmethod
     def _stop_list(cls, v):
         return _stops(v)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        return _only(v, (None, 1), "only n=1 is supported")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -120,9 +131,9 @@ class SamplingFields(_Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: Annotated[Any, _PROMPT]
-    echo: Annotated[bool | None, _documented({"anyOf": [{"const": False}, _NULL]})] = False
-    logprobs: Annotated[int | None, _ZERO] = None
-    best_of: Annotated[int | None, _ONE] = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: Annotated[str | None, _documented(_NULL)] = None
 
     @field_validator("prompt")
@@ -139,20 +150,12 @@ class CompletionRequest(SamplingFields):
             raise ValueError("only one prompt per request is supported")
         raise ValueError("prompt must be a string or a non-empty list of token ids")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        return _only(v, (None, False), "echo is not supported")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (None, 0), "logprobs are not supported")
-
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, v):
-        return _only(v, (None, 1), "only best_of=1 is supported")
+    def _best_of_n(cls, v, info: ValidationInfo):
+        if v is not None and v != (info.data.get("n") or 1):
+            raise ValueError("best_of is supported only equal to n")
+        return v
 
     @field_validator("suffix")
     @classmethod
@@ -182,23 +185,20 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[bool | None, _documented({"anyOf": [{"const": False}, _NULL]})] = None
-    top_logprobs: Annotated[int | None, _ZERO] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Annotated[dict | None, _documented({"anyOf": [
         {"type": "object", "required": ["type"], "additionalProperties": False,
          "properties": {"type": {"const": "text"}}}, _NULL]})] = None
     tools: Annotated[list | None, _documented({"anyOf": [{"type": "array", "maxItems": 0}, _NULL]})] = None
     tool_choice: Annotated[Any, _documented({"anyOf": [{"const": "none"}, _NULL]})] = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (None, False), "logprobs are not supported")
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v):
-        return _only(v, (None, 0), "top_logprobs are not supported")
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     @field_validator("response_format")
     @classmethod

@@ -96,7 +96,7 @@ class DraftedGraphRunner:
         if not (0 < bs <= self.max_batch and k1 <= ROWS_AS_DECODE and msg.num_drafts == [k] * bs
                 and msg.sample_seq_ids == msg.seq_ids and msg.cu_seqlens_q == list(range(0, bs * k1 + 1, k1))):
             return False
-        if msg.exports or msg.capture_taps or any(a >= 0 for a in msg.context_adopt):
+        if msg.exports or msg.capture_taps or msg.top_logprobs or any(a >= 0 for a in msg.context_adopt):
             return False
         if not all(p.greedy for p in msg.sampling) or len(msg.block_tables[0]) > self.width:
             return False

@@ -12,12 +12,12 @@ proposes one draft (which writes the final context entry) and drops it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdflow.attention.metadata import AttentionMetadata
-from pdflow.parallel.messages import StepInput
+from pdflow.parallel.messages import StepInput, TopLogprobs
 from pdflow.spec_decode import (
     ContextBatch,
     DraftDuties,
@@ -27,6 +27,7 @@ from pdflow.spec_decode import (
     padded_rows,
     verify,
 )
+from pdflow.worker.logprobs import sampled_top
 from pdflow.worker.sampler import make_generator
 
 # Unseeded rows draw from a stream per step: seed * STREAM + step (the same on every rank).
@@ -41,6 +42,8 @@ class DraftedStep:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     drafts: list[list[int]]
+    # StepInput.top_logprobs: per emitted token, flat (empty when no row asked).
+    top: list[TopLogprobs] = field(default_factory=list)
 
 
 class Drafting:
@@ -120,7 +123,11 @@ class Drafting:
                         draft_probs=q, generator=default)
         tokens = result.emitted()
         lps = [row[:len(t)] for row, t in zip(result.logprobs.tolist(), tokens, strict=True)]
-        return DraftedStep(tokens=tokens, logprobs=lps, drafts=[])
+        top = []
+        if msg.top_logprobs:  # emitted token j of sequence b was scored by logits[b, j]
+            emitted = torch.cat([logits[b, :len(t)] for b, t in enumerate(tokens)])
+            top = sampled_top(msg, emitted, [len(t) for t in tokens])
+        return DraftedStep(tokens=tokens, logprobs=lps, drafts=[], top=top)
 
     def _draft_probs(self, msg: StepInput, counts: list[int], drafts: torch.Tensor, vocab: int) -> torch.Tensor:
         """[B, K, V]: what each offered draft was drawn from (one-hot where it was an argmax)."""

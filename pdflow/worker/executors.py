@@ -107,7 +107,7 @@ class InProcessExecutor:
         if step.exports:  # handed to the sender; they settle later (``settled``)
             stage.export(step.exports)
         logits = stage.runner.logits(step, hidden) if drafted is None else None
-        return stage.answer(step, logits, taps, graphed, drafted)
+        return stage.answer(step, logits, taps, graphed, drafted, stage.score_prompts(step, hidden))
 
     @on_own_device
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:

@@ -9,11 +9,12 @@ next step's gather runs after this step's sampling, its K/V writes after this st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.parallel.messages import PromptLogprobs, StepInput, StepOutput, TopLogprobs
+from pdflow.worker.logprobs import sampled_top
 from pdflow.worker.stage import Stage
 
 
@@ -27,13 +28,17 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     graphed: bool
     taps: torch.Tensor | None = None
+    # Logprobs the step asked for (read at launch: only requests that ask wait for them).
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     def result(self) -> StepOutput:
         """Wait for the step's samples and answer as the synchronous path would."""
         if self.done is not None:
             self.done.synchronize()
         out = StepOutput(step=self.step, token_ids=self.tokens.tolist(), logprobs=self.logprobs.tolist(),
-                         cuda_graph=self.graphed)
+                         cuda_graph=self.graphed,
+                         top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs)
         if self.taps is not None:
             out.taps, out.taps_shape = self.taps.numpy().tobytes(), list(self.taps.shape)
         return out
@@ -66,7 +71,10 @@ def launch(stage: Stage, step: StepInput, samples: torch.Tensor | None) -> tuple
         tokens, logprobs = stage.runner.sample_on_device(step, logits)
     host_taps = taps.float().cpu().contiguous() if step.capture_taps and taps is not None else None
     launched = LaunchedStep(step=step.step, tokens=_to_host(tokens), logprobs=_to_host(logprobs),
-                            done=None, graphed=graphed, taps=host_taps)
+                            done=None, graphed=graphed, taps=host_taps,
+                            prompt_logprobs=stage.score_prompts(step, hidden))
+    if step.top_logprobs and logits is not None:
+        launched.top_logprobs = sampled_top(step, logits)
     if device.type == "cuda":
         launched.done = torch.cuda.Event()
         launched.done.record()

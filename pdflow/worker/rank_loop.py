@@ -97,7 +97,8 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
                 stage.export(msg.exports)
             # Every TP rank joins the vocab all-gather (the drafter's verify did it already).
             logits = runner.logits(msg, hidden) if drafted is None else None
+            prompt = stage.score_prompts(msg, hidden)
             if topo.is_driver:
-                channel.send(stage.answer(msg, logits, taps, graphed, drafted))
+                channel.send(stage.answer(msg, logits, taps, graphed, drafted, prompt))
     stage.release()
     dist.destroy_process_group()

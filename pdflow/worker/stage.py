@@ -20,7 +20,7 @@ from pdflow.graph import RankPlan, RunGraph, parallel_of
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
 from pdflow.model.loader import build_model, model_config
-from pdflow.parallel.messages import KVExport, KVSent, StepInput, StepOutput
+from pdflow.parallel.messages import KVExport, KVSent, PromptLogprobs, StepInput, StepOutput
 from pdflow.spec import ParallelSpec
 from pdflow.spec_decode import duties
 from pdflow.worker.cuda_graphs import DecodeGraphRunner, graphs_supported
@@ -29,6 +29,7 @@ from pdflow.worker.drafter_build import build_rank_drafter
 from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
 from pdflow.worker.kv_sender import KVSender
+from pdflow.worker.logprobs import score_prompts
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
 from pdflow.worker.warm_up import warm_up
 
@@ -160,15 +161,23 @@ class Stage:
             return None
         return self.drafting.step(step, ids, positions, meta, hidden, taps, self.model.compute_logits)
 
+    def score_prompts(self, step: StepInput, hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Prompt logprobs the step asks for (every TP rank of the last stage calls it)."""
+        return score_prompts(step, hidden, self.model.compute_logits)
+
     def answer(self, step: StepInput, logits: torch.Tensor | None, taps: torch.Tensor | None,
-               graphed: bool, drafted: DraftedStep | None = None) -> StepOutput:
-        """The sampling rank's StepOutput: tokens, whether a graph ran, taps if asked."""
+               graphed: bool, drafted: DraftedStep | None = None,
+               prompt: list[PromptLogprobs] | None = None) -> StepOutput:
+        """The sampling rank's StepOutput: tokens, whether a graph ran, taps and logprobs
+        if asked."""
         if drafted is None:
             out = self.runner.output(step, logits)
         else:
             out = StepOutput(step=step.step, token_ids=[t for run in drafted.tokens for t in run],
                              logprobs=[x for run in drafted.logprobs for x in run],
-                             num_emitted=[len(run) for run in drafted.tokens], draft_ids=drafted.drafts)
+                             num_emitted=[len(run) for run in drafted.tokens], draft_ids=drafted.drafts,
+                             top_logprobs=drafted.top)
+        out.prompt_logprobs = prompt or []
         out.cuda_graph = graphed
         if step.capture_taps and taps is not None:
             host = taps.float().cpu().contiguous()

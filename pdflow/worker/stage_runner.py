@@ -14,6 +14,7 @@ import torch
 from pdflow.attention.metadata import AttentionMetadata
 from pdflow.model.decoder import CausalLM
 from pdflow.parallel.messages import StepInput, StepOutput
+from pdflow.worker.logprobs import sampled_top
 from pdflow.worker.sampler import Sampler, make_generator
 
 # Steps whose every sequence brings at most this many new tokens run as decode rows,
@@ -113,9 +114,13 @@ class StageRunner:
         return self.model.compute_logits(hidden[self._tensor(step.sample_rows, torch.int64)])
 
     def output(self, step: StepInput, logits: torch.Tensor | None) -> StepOutput:
-        """The step's answer to the owner: sampled tokens and their logprobs."""
+        """The step's answer to the owner: sampled tokens and their logprobs (and their
+        top logprobs, for the rows that asked)."""
         tokens, logprobs = self.sample(step, logits)
-        return StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
+        out = StepOutput(step=step.step, token_ids=tokens, logprobs=logprobs)
+        if step.top_logprobs and logits is not None:
+            out.top_logprobs = sampled_top(step, logits)
+        return out
 
     def sample(self, step: StepInput, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
         if logits is None:
