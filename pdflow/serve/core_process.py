@@ -21,8 +21,19 @@ from collections import defaultdict
 
 import zmq
 
-from pdflow.serve.core_wire import (Abort, Facts, Hello, Outcome, Query, Reply, Steps, Submit, core_decoder,
-                                    encode, to_delta)
+from pdflow.serve.core_wire import (
+    Abort,
+    Facts,
+    Hello,
+    Outcome,
+    Query,
+    Reply,
+    Steps,
+    Submit,
+    core_decoder,
+    encode,
+    to_delta,
+)
 from pdflow.serve.serving_core import ServingCore, StreamEvent, Ticket
 
 log = logging.getLogger(__name__)

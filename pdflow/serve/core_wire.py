@@ -11,8 +11,6 @@ carries ids only. Decoding is strict: an unknown message or field type is an err
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from pdflow.engine.sampling_params import SamplingParams
@@ -85,8 +83,8 @@ class Steps(msgspec.Struct, tag=True, kw_only=True):
     deltas: list[Delta]
 
 
-ToCore = Union[Hello, Submit, Abort, Outcome, Query]
-ToFront = Union[Steps, Reply]
+ToCore = Hello | Submit | Abort | Outcome | Query
+ToFront = Steps | Reply
 _CARRIED = tuple(f for f in Delta.__struct_fields__ if f != "rid")
 
 encode = msgspec.msgpack.Encoder().encode

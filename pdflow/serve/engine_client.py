@@ -21,8 +21,19 @@ import zmq
 import zmq.asyncio
 
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.serve.core_wire import (Abort, Facts, Hello, Outcome, Query, Reply, Steps, Submit, encode,
-                                    front_decoder, to_event)
+from pdflow.serve.core_wire import (
+    Abort,
+    Facts,
+    Hello,
+    Outcome,
+    Query,
+    Reply,
+    Steps,
+    Submit,
+    encode,
+    front_decoder,
+    to_event,
+)
 from pdflow.serve.serving_core import StreamEvent
 from pdflow.serve.text_stream import TextStream
 
