@@ -22,7 +22,7 @@ from pdflow.serve.child import Child
 from pdflow.serve.front_process import FrontOptions
 from pdflow.spec import RunSpec
 
-FAILED_CORE_GRACE_S = 2.0
+FAILED_CORE_GRACE_S = 3.0
 STOP_TIMEOUT_S = 30.0
 BACKLOG = 2048
 
