@@ -6,6 +6,7 @@ an OpenAI error body and a failed server (``pdflow serve`` exits 3), never a han
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -174,10 +175,8 @@ def _server_children(pid: int) -> list[int]:
     """Children of every thread of ``pid`` (the supervisor's thread restarts fronts)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             out += [int(c) for c in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
     return out
 
 
