@@ -154,15 +154,25 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     server = CoreServer(core, metrics, facts, sock)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
-    code = 0
+    outcome = {"code": 1}
+    # The loop runs on a thread of its own, as the in-process engine loop did: torch's CPU
+    # thread pool stepped from the main thread ran ~50x slower on an oversubscribed host
+    # (bench_serve --front split, 2 loaded cores; see bench/RESULTS.md).
+    loop = threading.Thread(target=_run, args=(server, backend, sock, outcome), name="pdflow-engine-core")
+    loop.start()
+    while loop.is_alive():
+        loop.join(0.5)  # the main thread stays free for SIGTERM
+    os._exit(outcome["code"])
+
+
+def _run(server: CoreServer, backend, sock, outcome: dict) -> None:
     try:
         server.serve()
         server.shut("server is shutting down", 503)
+        outcome["code"] = 0
     except Exception as exc:  # a dead engine: its requests end with an error, then the server exits
         log.exception("engine core failed")
-        code = 1
         server.shut(f"engine failed: {type(exc).__name__}: {exc}", 503)
     finally:
         backend.shutdown()
         sock.close(linger=1000)
-    os._exit(code)
