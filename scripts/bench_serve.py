@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--front", choices=("thread", "split"), default="thread")
+    p.add_argument("--no-stream", action="store_true", help="whole JSON answers instead of SSE")
     p.add_argument("--api-servers", type=int, default=1, help="--front split: API front processes")
     p.add_argument("--overrides", nargs="*", default=[], help="--front split: extra hydra overrides")
     return p.parse_args()
@@ -65,6 +66,38 @@ def run_on_a_thread(fn):
     return out["value"], out["seconds"]
 
 
+async def drive_plain(url: str, model: str, reqs, *, concurrency: int):
+    """Not streamed: one JSON answer per request (TTFT is then the whole latency)."""
+    import httpx
+
+    from pdflow.bench.workloads.base import RequestResult
+
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
+        t0 = time.perf_counter()
+
+        async def one(req):
+            async with gate:
+                sent = time.perf_counter()
+                r = await client.post("/v1/completions", json={
+                    "model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+                    "ignore_eos": True})
+                took = time.perf_counter() - sent
+            ok = r.status_code == 200
+            return RequestResult(ok=ok, completion_tokens=r.json()["usage"]["completion_tokens"] if ok else 0,
+                                 ttft_s=took, latency_s=took, error=None if ok else r.text)
+
+        results = await asyncio.gather(*(one(r) for r in reqs))
+        return list(results), time.perf_counter() - t0
+
+
+def _drive(args, target, reqs, drive):
+    if args.no_stream:
+        return asyncio.run(drive_plain(target.url, target.model, reqs, concurrency=args.concurrency))
+    return asyncio.run(drive(target, reqs, concurrency=args.concurrency, timeout_s=3600, progress=False))
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
@@ -79,7 +112,7 @@ def report(args, offline_tokens: int, offline_s: float, results: list, served_s:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
     itl = [gap for r in results for gap in r.itl_s]
-    print(f"front {args.front} (api servers {args.api_servers}), {platform.processor() or platform.machine()}, "
+    print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, {platform.processor() or platform.machine()}, "
           f"{__import__('os').cpu_count()} CPUs, commit {commit}")
     print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
           f"concurrency {args.concurrency}")
@@ -117,8 +150,7 @@ def main_split(args) -> None:
         target = Target(url=served.url, model=served.model_name)
         asyncio.run(drive(target, reqs[:2], concurrency=2, timeout_s=3600, progress=False))  # warm-up
         for _ in range(args.repeats):
-            results, took = asyncio.run(drive(target, reqs, concurrency=args.concurrency, timeout_s=3600,
-                                              progress=False))
+            results, took = _drive(args, target, reqs, drive)
             served_s = min(served_s, took)
     report(args, sum(len(o.token_ids) for o in offline), offline_s, results, served_s)
 
@@ -159,9 +191,7 @@ def main() -> None:
             host = EngineHost(backend).start()
             try:
                 with ServerThread(create_app(host, model_name="bench")) as server:
-                    results, took = asyncio.run(drive(Target(url=server.url, model="bench"), reqs,
-                                                      concurrency=args.concurrency, timeout_s=3600,
-                                                      progress=False))
+                    results, took = _drive(args, Target(url=server.url, model="bench"), reqs, drive)
                 served_s = min(served_s, took)
             finally:
                 host.stop()
