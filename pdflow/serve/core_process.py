@@ -111,8 +111,8 @@ class CoreServer:
     def _send(self, front: bytes, msg) -> None:
         try:
             self.sock.send_multipart([front, encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:  # a front that stopped reading; it is restarted, not waited for
-            log.warning("dropped a message to %s", front.decode(errors="replace"))
+        except zmq.Again:  # not with an unlimited queue; said rather than lost silently
+            log.error("could not queue a message to %s", front.decode(errors="replace"))
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -138,6 +138,11 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    # No high-water mark: a ROUTER drops what it cannot queue, and a dropped ``Steps`` would
+    # leave its requests' streams waiting forever. A front that stops reading is killed and
+    # restarted instead (its queue goes with its connection).
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(address)
     deployment = Deployment(spec)
     for engine in (deployment.producer, deployment.consumer):

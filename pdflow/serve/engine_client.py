@@ -64,6 +64,8 @@ class EngineClient:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"front-{front}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a Submit or an Abort
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(address)
         self.streams: dict[str, RemoteTicket] = {}
         self.replies: dict[int, asyncio.Future] = {}
