@@ -139,8 +139,8 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     # No high-water mark: a ROUTER drops what it cannot queue, and a dropped ``Steps`` would
-    # leave its requests' streams waiting forever. A front that stops reading is killed and
-    # restarted instead (its queue goes with its connection).
+    # leave its requests' streams waiting forever. What a front has not read yet is queued
+    # here until it reads or its connection goes (it exited).
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(address)
