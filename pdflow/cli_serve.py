@@ -33,7 +33,8 @@ CONFIG_PATH = "pkg://pdflow.conf"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def serve_until_signalled(spec, stop: threading.Event) -> None:
+def serve_until_signalled(spec, stop: threading.Event) -> int:
+    """0 once signalled; 3 when the engine-core process died (the server failed)."""
     from pdflow.serve.launch import serve_spec
 
     with serve_spec(spec) as served:
@@ -47,8 +48,11 @@ def serve_until_signalled(spec, stop: threading.Event) -> None:
         auth = " (API key required)" if served.api_key else ""
         print(f"pdflow serve: {what} at {served.url}/v1{auth}; Ctrl-C stops", flush=True)
         while not stop.wait(0.5):
-            pass
+            if served.failure() is not None:
+                print(f"pdflow serve: {served.failure()}; stopping", file=sys.stderr, flush=True)
+                return 3
         print("pdflow serve: stopping", flush=True)
+    return 0
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
@@ -68,11 +72,13 @@ def _serve(cfg: DictConfig) -> None:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve_until_signalled(spec, stop)
+        code = serve_until_signalled(spec, stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print("pdflow serve: stopped", flush=True)
+    if code:
+        sys.exit(code)
 
 
 def main() -> None:

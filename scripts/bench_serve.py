@@ -8,6 +8,13 @@ machine hurts neither side more). Prints output tokens/s for both and their rati
 
     python scripts/bench_serve.py                      # shipped tiny model, CPU
     python scripts/bench_serve.py --requests 32 --concurrency 8 --output-len 32
+    python scripts/bench_serve.py --front split --requests 32 --concurrency 8 --output-len 32
+
+``--front thread`` (the default): the API on a thread of this process over an engine-loop
+thread (what ``pdflow serve`` ran before issue 30). ``--front split``: ``pdflow serve``'s
+server, the engine core in a process of its own and ``--api-servers`` front processes
+(offline: the same spec's ``Deployment`` in this process). Prints TTFT/ITL p50/p99 of the
+served side, the hardware and the commit.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--front", choices=("thread", "split"), default="thread")
+    p.add_argument("--no-stream", action="store_true", help="whole JSON answers instead of SSE")
+    p.add_argument("--api-servers", type=int, default=1, help="--front split: API front processes")
+    p.add_argument("--overrides", nargs="*", default=[], help="--front split: extra hydra overrides")
     return p.parse_args()
 
 
@@ -55,8 +66,100 @@ def run_on_a_thread(fn):
     return out["value"], out["seconds"]
 
 
+async def drive_plain(url: str, model: str, reqs, *, concurrency: int):
+    """Not streamed: one JSON answer per request (TTFT is then the whole latency)."""
+    import httpx
+
+    from pdflow.bench.workloads.base import RequestResult
+
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
+        t0 = time.perf_counter()
+
+        async def one(req):
+            async with gate:
+                sent = time.perf_counter()
+                r = await client.post("/v1/completions", json={
+                    "model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+                    "ignore_eos": True})
+                took = time.perf_counter() - sent
+            ok = r.status_code == 200
+            return RequestResult(ok=ok, completion_tokens=r.json()["usage"]["completion_tokens"] if ok else 0,
+                                 ttft_s=took, latency_s=took, error=None if ok else r.text)
+
+        results = await asyncio.gather(*(one(r) for r in reqs))
+        return list(results), time.perf_counter() - t0
+
+
+def _drive(args, target, reqs, drive):
+    if args.no_stream:
+        return asyncio.run(drive_plain(target.url, target.model, reqs, concurrency=args.concurrency))
+    return asyncio.run(drive(target, reqs, concurrency=args.concurrency, timeout_s=3600, progress=False))
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+
+def report(args, offline_tokens: int, offline_s: float, results: list, served_s: float) -> None:
+    import platform
+    import subprocess
+
+    served_tokens = sum(r.completion_tokens for r in results if r.ok)
+    same = all(r.ok for r in results) and served_tokens == offline_tokens
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    itl = [gap for r in results for gap in r.itl_s]
+    print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, {platform.processor() or platform.machine()}, "
+          f"{__import__('os').cpu_count()} CPUs, commit {commit}")
+    print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
+          f"concurrency {args.concurrency}")
+    print(f"offline              : {offline_tokens / offline_s:8.1f} output tok/s ({offline_s:.2f} s)")
+    print(f"OpenAI API over HTTP : {served_tokens / served_s:8.1f} output tok/s ({served_s:.2f} s); "
+          f"TTFT p50 {_pct(ttft, .5):.1f} p99 {_pct(ttft, .99):.1f} ms, ITL p50 {_pct(itl, .5):.1f} "
+          f"p99 {_pct(itl, .99):.1f} ms")
+    print(f"ratio (API / offline): {(served_tokens / served_s) / (offline_tokens / offline_s):.3f}"
+          f"{'' if same else '  (token counts differ: check errors)'}")
+
+
+def main_split(args) -> None:
+    from pdflow import Deployment, SamplingParams, compose
+    from pdflow.bench.workloads import Target, WorkRequest, drive
+    from pdflow.bench.workloads.load import random_token_ids
+    from pdflow.serve.launch import serve_spec
+
+    b, n = args.block_size, args.num_kv_blocks
+    spec = compose(["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=none", "tracking.enabled=false",
+                    f"prefill.block_size={b}", f"decode.block_size={b}",
+                    f"prefill.kv_page_tokens={b}", f"decode.kv_page_tokens={b}", f"decode.num_kv_blocks={n}",
+                    f"decode.max_num_seqs={max(args.requests, 1)}", "decode.enable_prefix_caching=false",
+                    f"serve.api_servers={args.api_servers}", *args.overrides])
+    rng = random.Random(args.seed)
+    sampling = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    offline_s = served_s = float("inf")
+    with Deployment(spec) as deployment:
+        prompts = [random_token_ids(rng, args.prompt_len, deployment.vocab_size) for _ in range(args.requests)]
+        deployment.generate(prompts[:2], sampling)  # warm-up
+        for _ in range(args.repeats):
+            offline, took = run_on_a_thread(lambda: offline_waves(deployment, prompts, sampling, args.concurrency))
+            offline_s = min(offline_s, took)
+    reqs = [WorkRequest(prompt=p, max_tokens=args.output_len, ignore_eos=True) for p in prompts]
+    with serve_spec(spec, port=0) as served:
+        target = Target(url=served.url, model=served.model_name)
+        asyncio.run(drive(target, reqs[:2], concurrency=2, timeout_s=3600, progress=False))  # warm-up
+        for _ in range(args.repeats):
+            results, took = _drive(args, target, reqs, drive)
+            served_s = min(served_s, took)
+    report(args, sum(len(o.token_ids) for o in offline), offline_s, results, served_s)
+
+
 def main() -> None:
     args = parse_args()
+    if args.front == "split":
+        main_split(args)
+        return
     from pdflow import LLM, SamplingParams
     from pdflow.bench.workloads import Target, WorkRequest, drive
     from pdflow.bench.workloads.load import random_token_ids
@@ -88,23 +191,13 @@ def main() -> None:
             host = EngineHost(backend).start()
             try:
                 with ServerThread(create_app(host, model_name="bench")) as server:
-                    results, took = asyncio.run(drive(Target(url=server.url, model="bench"), reqs,
-                                                      concurrency=args.concurrency, timeout_s=3600,
-                                                      progress=False))
+                    results, took = _drive(args, Target(url=server.url, model="bench"), reqs, drive)
                 served_s = min(served_s, took)
             finally:
                 host.stop()
     finally:
         llm.shutdown()
-    offline_tokens = sum(len(o.token_ids) for o in offline)
-    served_tokens = sum(r.completion_tokens for r in results if r.ok)
-    same = all(r.ok for r in results) and served_tokens == offline_tokens
-    print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
-          f"concurrency {args.concurrency}")
-    print(f"offline LLM.generate : {offline_tokens / offline_s:8.1f} output tok/s ({offline_s:.2f} s)")
-    print(f"OpenAI API over HTTP : {served_tokens / served_s:8.1f} output tok/s ({served_s:.2f} s)")
-    print(f"ratio (API / offline): {(served_tokens / served_s) / (offline_tokens / offline_s):.3f}"
-          f"{'' if same else '  (token counts differ: check errors)'}")
+    report(args, sum(len(o.token_ids) for o in offline), offline_s, results, served_s)
 
 
 if __name__ == "__main__":

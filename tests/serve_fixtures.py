@@ -1,6 +1,7 @@
 """The served tiny model the serve tests share (conftest's session fixture ``tiny_server``):
-one LLM on CPU, its offline greedy answers (the oracle), and the API twice over on one
-engine loop (open, and behind an API key)."""
+one LLM on CPU and its offline greedy answers (the oracle); the API as ``pdflow serve``
+runs it (an engine-core process, an API front process before it), open and behind an API
+key; and the LLM on an in-process engine loop (``host``) for tests that build apps on it."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import contextlib
 from dataclasses import dataclass
 
 from pdflow import LLM, SamplingParams
-from pdflow.serve.api import EngineHost, create_app
+from pdflow.serve.api import EngineHost
 from pdflow.serve.backend import LLMBackend
 from pdflow.serve.chat import fallback_prompt
-from pdflow.serve.server import ServerThread
+from pdflow.serve.launch import serve_spec
 from pdflow.spec import ParallelSpec
+from pdflow.spec.load import compose_spec
 
 MODEL = "tiny"
+SPLIT = ["mode=monolithic", "prefill=tp1", "decode=tp1", "drafter=none", "model.max_model_len=128",
+         "prefill.block_size=16", "decode.block_size=16", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
+         "decode.num_kv_blocks=24", "decode.max_num_seqs=8", "tracking.enabled=false"]
 MAX_MODEL_LEN = 128
 NUM_KV_BLOCKS = 24
 PROMPTS = ("Question: Mira has 12 apples.", "The vault code of")
@@ -43,8 +48,8 @@ def tiny_server():
         oracle["chat"] = llm.generate([llm.tokenizer.encode(fallback_prompt(list(CHAT)))], greedy)[0]
         host = EngineHost(LLMBackend(llm)).start()
         stack.callback(host.stop)
-        plain = stack.enter_context(ServerThread(create_app(host, model_name=MODEL)))
-        keyed = stack.enter_context(ServerThread(create_app(host, model_name=MODEL, api_key=KEY)))
+        plain = stack.enter_context(serve_spec(compose_spec(SPLIT), port=0))
+        keyed = stack.enter_context(serve_spec(compose_spec([*SPLIT, f"serve.api_key={KEY}"]), port=0))
         yield TinyServer(url=plain.url, keyed_url=keyed.url, oracle=oracle, host=host)
 
 

@@ -146,6 +146,9 @@ def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
         assert url, "".join(seen)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        children = [int(c) for task in Path(f"/proc/{proc.pid}/task").glob("*")
+                    for c in (task / "children").read_text().split()]
+        assert len(children) == 2, children  # the engine core and one API front
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -156,3 +159,4 @@ def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
     assert "pdflow serve: stopped" in out
     everything = "".join(seen) + out
     assert GLOG_LINE.search(everything) and "Local segment descriptor not found" in everything, everything[-3000:]
+    assert not [c for c in children if Path(f"/proc/{c}").exists()], "children left running after SIGTERM"

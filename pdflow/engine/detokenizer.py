@@ -13,6 +13,9 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.released: dict[str, int] = {}
+        # False where text is made elsewhere (the API front processes decode the ids the
+        # engine-core process sends them): ``delta`` is then always "", and costs nothing.
+        self.stream_text = True
 
     def text(self, seq: Sequence) -> str:
         if self.tokenizer is None:
@@ -35,7 +38,7 @@ class Detokenizer:
 
     def delta(self, seq: Sequence) -> str:
         """Text not yet released for this sequence."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or not self.stream_text:
             return ""
         text = self.text(seq)
         done = self.released.get(seq.request_id, 0)

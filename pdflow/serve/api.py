@@ -52,6 +52,9 @@ class EngineHost:
     def stop(self) -> None:
         self.loop.stop()
 
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
 
 def bearer_guard(api_key: str | None):
     """A dependency refusing requests without ``Authorization: Bearer <api_key>``."""
@@ -93,8 +96,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
 
 def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
                request_timeout_s: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """``request_timeout_s``: a generation still running after it is aborted (503)."""
-    backend, metrics = host.backend, host.metrics
+    """``request_timeout_s``: a generation still running after it is aborted (503). ``host``:
+    an ``EngineHost`` (the engine on a thread here) or a ``front_process.RemoteHost`` (the
+    engine core in a process of its own); ``host.backend`` is read per request."""
+    metrics = host.metrics
     app = FastAPI(title="pdflow", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     guard = [Depends(bearer_guard(api_key))]
@@ -110,7 +115,7 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "pdflow",
-                "max_model_len": backend.max_model_len}
+                "max_model_len": host.backend.max_model_len}
 
     @app.get("/health")
     async def health():
@@ -130,14 +135,14 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics", dependencies=guard)
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await host.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", dependencies=guard)
     async def completions(request: Request):
         req = _parse(CompletionRequest, await request.body())
         _check_model(req.model, model_name)
-        ids = _prompt_ids(backend, req.prompt)
-        job = _job(backend, req, ids, chat=False, model_name=model_name,
+        ids = _prompt_ids(host.backend, req.prompt)
+        job = _job(host.backend, req, ids, chat=False, model_name=model_name,
                    default_max=COMPLETION_DEFAULT_MAX_TOKENS)
         return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
 
@@ -145,8 +150,8 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
     async def chat_completions(request: Request):
         req = _parse(ChatCompletionRequest, await request.body())
         _check_model(req.model, model_name)
-        ids = chat_prompt_ids(backend.tokenizer, [(m.role, m.content) for m in req.messages])
-        job = _job(backend, req, ids, chat=True, model_name=model_name, default_max=None)
+        ids = chat_prompt_ids(host.backend.tokenizer, [(m.role, m.content) for m in req.messages])
+        job = _job(host.backend, req, ids, chat=True, model_name=model_name, default_max=None)
         return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
 
     return app

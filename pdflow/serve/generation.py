@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.serve.engine_loop import EngineLoop, StreamEvent, Ticket
+from pdflow.serve.engine_loop import EngineLoop, StreamEvent
 from pdflow.serve.errors import APIError
 from pdflow.serve.logprob_bodies import LogprobRun, chat_logprobs, completion_logprobs, prompt_run
 from pdflow.serve.metrics import ServeMetrics
@@ -57,7 +57,7 @@ class Job:
 @dataclass(kw_only=True, slots=True)
 class _Choice:
     index: int
-    ticket: Ticket | None = None
+    ticket: object | None = None  # the loop's or the engine-core client's ticket
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
@@ -89,6 +89,7 @@ class Generation:
         self.created = int(time.time())
         self.choices = [_Choice(index=i) for i in range(job.n)]
         self.events: asyncio.Queue | None = None
+        self._pumps: list[asyncio.Task] = []
         self.counted = False
 
     @property
@@ -123,21 +124,24 @@ class Generation:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def _open(self, index: int) -> Ticket:
+    def _open(self, index: int):
         """Choice ``index`` as its own engine request; a seeded request's choice i draws
-        from seed + i (vLLM's rule), so choices differ and a seed repeats them all."""
+        from seed + i (vLLM's rule), so choices differ and a seed repeats them all. Its
+        events join the generation's queue tagged with ``index`` (the same for the
+        in-process loop and the engine-core client: both answer ``open_stream``)."""
         sampling = self.job.sampling
         if index and sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-        aio, events = asyncio.get_running_loop(), self.events
-
-        def deliver(event: StreamEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # the server's event loop has closed
-                aio.call_soon_threadsafe(events.put_nowait, (index, event))
-
-        ticket = Ticket(prompt_token_ids=self.job.prompt_token_ids, sampling=sampling, deliver=deliver)
-        self.loop.submit(ticket)
+        ticket, events = self.loop.open_stream(self.job.prompt_token_ids, sampling)
+        self._pumps.append(asyncio.create_task(self._pump(index, events)))
         return ticket
+
+    async def _pump(self, index: int, events: asyncio.Queue) -> None:
+        while True:
+            event = await events.get()
+            self.events.put_nowait((index, event))
+            if event.done:
+                return
 
     # -- events --------------------------------------------------------------------------
 
@@ -192,6 +196,8 @@ class Generation:
             if choice.finish_reason is None and choice.ticket is not None:
                 self.loop.abort(choice.ticket)
                 choice.finish_reason, aborted = reason, True
+        for pump in self._pumps:  # an aborted request may never send its last event
+            pump.cancel()
         if aborted and not self.counted and reason == "abort":
             self.counted = True
             self.metrics.count("abort")

@@ -2,7 +2,8 @@
 
 By ``serve.role``: the spec's deployment (``pdflow.Deployment``: a prefill instance
 writing each prompt's KV into a decode instance, or with ``mode=monolithic`` the decode
-instance alone) driven from this process, its API on a uvicorn thread; or one instance
+instance alone) driven from an engine-core process, ``serve.api_servers`` API front
+processes before it (``supervisor``); or one instance
 of the run graph (``prefill``, ``decode``: ``pd_instance``); or a router, over given
 instance URLs (``serve.backends``) or pairing ``serve.prefill`` with ``serve.decode``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdflow.spec import RunSpec
@@ -28,6 +29,8 @@ class Served:
     api_key: str | None
     # Backend URLs when this is a router; empty for an instance.
     backends: tuple[str, ...] = ()
+    # Why the server cannot serve any more (its engine-core process died), else None.
+    failure: Callable[[], str | None] = lambda: None
 
 
 def api_key_of(spec: RunSpec) -> str | None:
@@ -38,12 +41,17 @@ def model_name_of(spec: RunSpec) -> str:
     return spec.serve.model_name or spec.model.name
 
 
-def _backend(spec: RunSpec):
-    from pdflow.serve.backend import LLMBackend
-    from pdflow.serve.deployment import Deployment
+def _split_server(spec: RunSpec, stack: contextlib.ExitStack, port: int, key: str | None, name: str) -> Served:
+    """The deployment in an engine-core process, ``serve.api_servers`` API fronts before it."""
+    from pdflow.serve.front_process import FrontOptions
+    from pdflow.serve.supervisor import Supervisor
 
-    deployment = Deployment(spec)
-    return LLMBackend(deployment)
+    options = FrontOptions(model_name=name, api_key=key, request_timeout_s=spec.serve.request_timeout_s,
+                           max_body_bytes=spec.serve.max_body_bytes)
+    supervisor = Supervisor(spec, host=spec.serve.host, port=port, options=options)
+    stack.callback(supervisor.stop)
+    supervisor.start().wait_ready(spec.serve.ready_timeout_s)
+    return Served(url=supervisor.url, model_name=name, api_key=key, failure=lambda: supervisor.failure)
 
 
 @contextlib.contextmanager
@@ -73,17 +81,8 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
 
             app = create_router(list(spec.serve.backends), api_key=key, max_body_bytes=spec.serve.max_body_bytes)
         else:
-            from pdflow.serve.admission import AdmissionPolicy
-            from pdflow.serve.api import EngineHost, create_app
-
-            backend = _backend(spec)
-            stack.callback(backend.shutdown)
-            admission = AdmissionPolicy(max_queued=spec.serve.max_queued_requests,
-                                        queue_timeout_s=spec.serve.queue_timeout_s)
-            host = EngineHost(backend, admission=admission).start()
-            stack.callback(host.stop)
-            app = create_app(host, model_name=name, api_key=key, request_timeout_s=spec.serve.request_timeout_s,
-                             max_body_bytes=spec.serve.max_body_bytes)
+            yield _split_server(spec, stack, port, key, name)
+            return
         server = stack.enter_context(ServerThread(app, host=spec.serve.host, port=port))
         wait_healthy(server.url, timeout=spec.serve.ready_timeout_s)
         backends = spec.serve.decode if role == "router" else spec.serve.backends

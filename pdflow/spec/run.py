@@ -101,6 +101,9 @@ class ServeSpec:
     max_queued_requests: int = 256
     # A request that waited this long for KV blocks is refused (503, Retry-After).
     queue_timeout_s: float = 30.0
+    # API front processes (HTTP, tokenization, detokenization, SSE) sharing the listening
+    # socket in front of the one engine-core process (role=deployment).
+    api_servers: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -123,6 +126,8 @@ class ServeSpec:
             raise ValueError("serve.ready_timeout_s must be positive")
         if self.max_body_bytes < 1 or self.max_queued_requests < 0 or self.queue_timeout_s <= 0:
             raise ValueError("serve needs max_body_bytes >= 1, max_queued_requests >= 0, queue_timeout_s > 0")
+        if self.api_servers < 1:
+            raise ValueError(f"serve.api_servers must be >= 1 (API front processes), got {self.api_servers}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("serve.request_timeout_s must be positive (or null: no limit)")
 

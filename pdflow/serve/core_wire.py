@@ -1,0 +1,105 @@
+"""The messages between API front processes and the engine-core process (msgpack, typed).
+
+Fronts send ``Hello`` once, then ``Submit``/``Abort`` per request, ``Outcome`` per answered
+request (the core keeps the metrics, so /metrics is the same whichever front serves it)
+and ``Query`` (facts at start, metrics, health). The core answers a ``Query`` with a
+``Reply`` and sends, after every engine turn, one ``Steps`` per front carrying a ``Delta``
+for each of that front's requests that moved: token ids batched per step, never a message
+per token. Text is the front's business (it detokenizes incrementally), so a ``Delta``
+carries ids only. Decoding is strict: an unknown message or field type is an error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.backend import DraftStats
+from pdflow.serve.serving_core import StreamEvent
+
+
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    """A front (re)started: the core ends what an earlier front of that index left running."""
+
+    front: int
+
+
+class Submit(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+
+
+class Outcome(msgspec.Struct, tag=True, kw_only=True):
+    """How a front answered one request (stop, length, abort, error, rejected)."""
+
+    outcome: str
+
+
+class Query(msgspec.Struct, tag=True, kw_only=True):
+    """``what``: "facts" (the model's limits, once the engine is up), "metrics" (Prometheus text)."""
+
+    qid: int
+    what: str
+
+
+class Facts(msgspec.Struct, kw_only=True):
+    """What a front validates and tokenizes with; ``tokenizer_folder`` None: ids only."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    tokenizer_folder: str | None
+
+
+class Reply(msgspec.Struct, tag=True, kw_only=True):
+    qid: int
+    facts: Facts | None = None
+    text: bytes = b""
+
+
+class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A ``StreamEvent`` of request ``rid`` minus its text. Every other field here has
+    the name of a ``StreamEvent`` field and is copied both ways by name (``to_delta``,
+    ``to_event``), so a new event field rides the wire by adding its line here."""
+
+    rid: str
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    draft: DraftStats | None = None
+    error: str | None = None
+    error_status: int = 500
+    retry_after_s: int | None = None
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
+
+
+class Steps(msgspec.Struct, tag=True, kw_only=True):
+    """Every delta of one front's requests from one engine turn."""
+
+    deltas: list[Delta]
+
+
+ToCore = Hello | Submit | Abort | Outcome | Query
+ToFront = Steps | Reply
+_CARRIED = tuple(f for f in Delta.__struct_fields__ if f != "rid")
+
+encode = msgspec.msgpack.Encoder().encode
+core_decoder = msgspec.msgpack.Decoder(ToCore)
+front_decoder = msgspec.msgpack.Decoder(ToFront)
+
+
+def to_delta(rid: str, event: StreamEvent) -> Delta:
+    return Delta(rid=rid, **{name: getattr(event, name) for name in _CARRIED})
+
+
+def to_event(delta: Delta, text: str) -> StreamEvent:
+    return StreamEvent(text=text, **{name: getattr(delta, name) for name in _CARRIED})

@@ -1,0 +1,73 @@
+"""An API front process: uvicorn on the listening socket the server bound, the OpenAI API
+(``api.create_app``) over an ``EngineClient`` to the engine-core process.
+
+It does HTTP, validation, tokenization, incremental detokenization and SSE; it holds no
+engine state (admission, KV, metrics are the core's), so a killed front loses nothing
+but its own connections, and the server starts another on the same socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+from pdflow.serve.engine_client import EngineClient
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FrontOptions:
+    model_name: str
+    api_key: str | None
+    request_timeout_s: float | None
+    max_body_bytes: int
+    log_level: str = "warning"
+
+
+class RemoteHost:
+    """What ``create_app`` serves, with the engine in the core process."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.loop = client  # open_stream, abort, healthy, error
+        self.metrics = client  # count(outcome): the core keeps the metrics
+
+    @property
+    def backend(self):
+        if self.client.facts is None:
+            from pdflow.serve.errors import APIError
+
+            raise APIError(503, "the engine is starting; retry shortly", code="engine_starting", retry_after_s=1)
+        return self.client.facts
+
+    async def metrics_text(self) -> bytes:
+        return (await self.client.query("metrics")).text
+
+
+async def _serve(sock: socket.socket, address: str, front: int, core_pid: int, options: FrontOptions) -> None:
+    import uvicorn
+
+    from pdflow.serve.api import create_app
+
+    client = EngineClient(address, front=front, core_pid=core_pid)
+    app = create_app(RemoteHost(client), model_name=options.model_name, api_key=options.api_key,
+                     request_timeout_s=options.request_timeout_s, max_body_bytes=options.max_body_bytes)
+    starting = asyncio.create_task(client.start())
+    config = uvicorn.Config(app, log_level=options.log_level, access_log=False, timeout_graceful_shutdown=5)
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        starting.cancel()
+        client.close()
+
+
+def front_main(fd: int, address: str, front: int, core_pid: int, parent_pid: int,
+               options: FrontOptions) -> None:
+    """Entry of a front process (spawned by ``supervisor``); SIGTERM ends it gracefully."""
+    from pdflow.serve.core_process import watch_parent
+
+    watch_parent(parent_pid)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    sock = socket.socket(fileno=fd)  # the server's listening socket, shared by every front
+    asyncio.run(_serve(sock, address, front, core_pid, options))

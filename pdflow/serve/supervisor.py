@@ -1,0 +1,129 @@
+"""The server process: binds the listening socket, starts the engine-core process and
+``serve.api_servers`` API front processes sharing that socket, and watches them.
+
+A front that dies is started again on the same socket (the core keeps every request's
+state; the dead front's requests are aborted when its successor says hello). A core that
+dies fails the server: the fronts answer what was open with 503 (they see the core's exit
+themselves), get a moment to send it, are stopped, and ``failure`` names what happened so
+``pdflow serve`` exits non-zero. ``stop`` (SIGTERM to ``pdflow serve``): fronts first
+(graceful), then the core (fails what is left with 503, stops its ranks), nothing left over.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+from multiprocessing.connection import wait
+
+from pdflow.serve.child import Child
+from pdflow.serve.front_process import FrontOptions
+from pdflow.spec import RunSpec
+
+FAILED_CORE_GRACE_S = 3.0
+STOP_TIMEOUT_S = 30.0
+BACKLOG = 2048
+
+
+class Supervisor:
+    def __init__(self, spec: RunSpec, *, host: str, port: int, options: FrontOptions):
+        self.spec, self.options = spec, options
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(BACKLOG)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self._dir = tempfile.TemporaryDirectory(prefix="pdflow-core-")
+        self.address = f"ipc://{self._dir.name}/core"
+        self.core = None
+        self.fronts: list = [None] * spec.serve.api_servers
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="pdflow-supervisor", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> Supervisor:
+        self.core = Child("pdflow.serve.core_process:core_main", (self.spec, self.address, os.getpid()))
+        for i in range(len(self.fronts)):
+            self._start_front(i)
+        self._watcher.start()
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until /health answers 200 (the core's engine is up); a named error if the core
+        died first or after ``timeout``."""
+        import httpx
+
+        deadline, last = time.monotonic() + timeout, "no answer"
+        while time.monotonic() < deadline:
+            if self.failure is not None:
+                raise RuntimeError(f"pdflow serve did not start: {self.failure}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=5.0)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.url} was not healthy within {timeout:.0f}s (last: {last})")
+
+    def pids(self) -> dict[str, list[int]]:
+        return {"core": [self.core.pid], "fronts": [f.pid for f in self.fronts if f is not None]}
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for front in self.fronts:
+            if front is not None and front.is_alive():
+                front.terminate()
+        for front in self.fronts:
+            if front is not None:
+                self._join(front)
+        if self.core is not None and self.core.is_alive():
+            self.core.terminate()
+        if self.core is not None:
+            self._join(self.core)
+        if self._watcher.is_alive():
+            self._watcher.join(5.0)
+        for child in [*self.fronts, self.core]:
+            if child is not None:
+                child.close()
+        self.sock.close()
+        self._dir.cleanup()
+
+    # -- watching ------------------------------------------------------------------------
+
+    def _start_front(self, i: int) -> None:
+        fd = self.sock.fileno()
+        self.fronts[i] = Child("pdflow.serve.front_process:front_main",
+                               (fd, self.address, i, self.core.pid, os.getpid(), self.options), pass_fds=(fd,))
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            sentinels = {self.core.sentinel: None} | {f.sentinel: i for i, f in enumerate(self.fronts)}
+            for ready in wait(list(sentinels), timeout=0.5):
+                if self._stopping.is_set():
+                    return
+                which = sentinels[ready]
+                if which is None:
+                    self._core_died()
+                    return
+                self.fronts[which].join()
+                self.fronts[which].close()
+                self.restarts += 1
+                self._start_front(which)
+
+    def _core_died(self) -> None:
+        self.core.join()
+        time.sleep(FAILED_CORE_GRACE_S)  # the fronts answer their open requests with 503
+        self.failure = f"the engine core process exited (code {self.core.exitcode})"
+
+    def _join(self, child: Child) -> None:
+        child.join(STOP_TIMEOUT_S)
