@@ -202,9 +202,15 @@ def test_abort_while_the_kv_is_on_its_way_frees_blocks_after_the_transfer():
         outputs = d.run()
         first = next(outputs)  # both were admitted; one prefill has landed
         pending = b if first.request_id == a else a
+        # The exports run off the forward (issue 29): the other prompt's KV may have settled
+        # in the same collect, so it may be decoding already; the held-export test in
+        # test_pd_async_export pins the in-flight case down deterministically.
+        in_flight = pending in d.consumer.awaiting_kv
         assert d.abort(pending) and not d.abort("nope")
         rest = [first, *outputs]
-        assert any(o.request_id == pending and o.finish_reason == "abort" for o in rest)
-        assert not any(o.request_id == pending and o.token_id >= 0 for o in rest[1:])
+        if in_flight:
+            assert any(o.request_id == pending and o.finish_reason == "abort" for o in rest)
+            assert not any(o.request_id == pending and o.token_id >= 0 for o in rest[1:])
+        assert not any(o.request_id == pending and o.finish_reason not in (None, "abort") for o in rest)
         assert all(free == total for free, total in _pools(d))
         assert d.generate([_prompts()[0]], GREEDY)[0].error is None
