@@ -178,18 +178,27 @@ def compile_copies(device: torch.device, max_words: int, *, groups: int | None, 
         if groups is not None:
             plan = torch.zeros(groups, PLAN_FIELDS, dtype=torch.int64, device=device)
             if programs > 0:
-                _copy_plan_strided_kernel.warmup(plan, big, 2, 2, big, 2, parts, GROUPS=groups, BLOCK=block,
-                                                 REVERSE=reverse, grid=(1,))
+                _loaded(_copy_plan_strided_kernel.warmup(plan, big, 2, 2, big, 2, parts, GROUPS=groups, BLOCK=block,
+                                                         REVERSE=reverse, grid=(1,)))
             else:
-                _copy_plan_kernel.warmup(plan, big, 2, 2, big, GROUPS=groups, BLOCK=block, REVERSE=reverse,
-                                         grid=(1, 1))
+                _loaded(_copy_plan_kernel.warmup(plan, big, 2, 2, big, GROUPS=groups, BLOCK=block, REVERSE=reverse,
+                                                 grid=(1, 1)))
             return
         table = torch.zeros(1, 3, dtype=torch.int64, device=device)
         if programs > 0:
             for n_slices in {parts, 16 * parts, 3 * parts}:
-                _copy_runs_strided_kernel.warmup(table, 0, n_slices, parts, BLOCK=block, REVERSE=reverse, grid=(1,))
+                _loaded(_copy_runs_strided_kernel.warmup(table, 0, n_slices, parts, BLOCK=block, REVERSE=reverse,
+                                                         grid=(1,)))
         else:
-            _copy_runs_kernel.warmup(table, 0, BLOCK=block, REVERSE=reverse, grid=(1, 1))
+            _loaded(_copy_runs_kernel.warmup(table, 0, BLOCK=block, REVERSE=reverse, grid=(1, 1)))
+
+
+def _loaded(compiled) -> None:
+    """Load a compiled kernel and build its launcher now: ``warmup`` compiles only, and the
+    launcher (a small C extension) was otherwise built at the first request's launch."""
+    init = getattr(compiled, "_init_handles", None)  # Triton's own lazy loader
+    if init is not None:
+        init()
 
 
 def copy_runs_reference(table: torch.Tensor, *, shift: int = 0, reverse: bool = False) -> None:

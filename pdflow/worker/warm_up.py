@@ -80,7 +80,8 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
     verify = min(n, num_drafts + 1 if num_drafts else ROWS_AS_DECODE)
     classes.append(ShapeClass(name=f"verify {verify} rows", q_lens=(verify,), context_lens=(n,),
                               drafts=verify - 1 if num_drafts else 0))
-    rows = min(n, max(max_num_seqs, SHORT_STEP_ROWS))  # a step holds at most n tokens
+    # A verify of every sequence runs k+1 rows each as decode; a step holds at most n tokens.
+    rows = min(n, max(max_num_seqs * (num_drafts + 1), SHORT_STEP_ROWS))
     for b in decode_batches(rows, split_of, eager_from=graphed_rows + 1):
         lens = tuple(max(1, n - 7 * i) for i in range(b))
         classes.append(ShapeClass(name=f"decode batch {b}", q_lens=(1,) * b, context_lens=lens))
@@ -131,8 +132,10 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
     if full:
         from pdflow.kernels.decode_attention import default_splits
 
-        h_kv = next(iter(stage.kv.caches.values())).shape[2]
-        split_of = lambda b: default_splits(b, h_kv, device, None)  # noqa: E731
+        # Every KV head count the stage's attention runs with (the target's, a drafter's):
+        # a batch size is a new class when any of their split counts changes.
+        h_kvs = sorted({cache.shape[2] for cache in stage.kv.caches.values()})
+        split_of = lambda b: tuple(default_splits(b, h, device, None) for h in h_kvs)  # noqa: E731
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
