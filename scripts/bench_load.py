@@ -9,6 +9,15 @@ baseline (served / offline throughput).
 
     python scripts/bench_load.py                                   # 1000 at 64, the default spec
     python scripts/bench_load.py --requests 200 prefill=tp1 decode=tp1 drafter=none
+
+``--prefill N --decode M``: N prefill and M decode instances instead, each its own
+``pdflow serve`` process, behind a router process (xPyD). ``--baseline-decode K`` first
+runs N prefill with K decode instances on the same prompts, in the same run, and prints
+the ratio of req/s. Checks: every request completed, the decode instances counted them,
+no block held on any instance afterwards, each (prefill, decode) pair paired once.
+
+    python scripts/bench_load.py --prefill 1 --decode 2 --baseline-decode 1 --requests 48 \
+        --concurrency 8 prefill=tp1 decode=tp1 drafter=none
 """
 
 from __future__ import annotations
@@ -17,7 +26,11 @@ import argparse
 import asyncio
 import os
 import random
+import re
+import signal
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -86,6 +99,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=4, help="prompt tokens per request")
+    p.add_argument("--prefill", type=int, default=0, help="prefill instances (separate processes); 0: in process")
+    p.add_argument("--decode", type=int, default=1, help="decode instances, with --prefill")
+    p.add_argument("--baseline-decode", type=int, default=0,
+                   help="with --prefill: first measure this many decode instances on the same load")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run spec (default: the CPU default)")
     return p.parse_args()
 
@@ -93,6 +111,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if args.prefill:
+        sys.exit(main_topology(args))
     from pdflow import Deployment, SamplingParams, compose
     from pdflow.serve.api import EngineHost, create_app
     from pdflow.serve.backend import LLMBackend
@@ -101,7 +121,7 @@ def main() -> None:
 
     deployment = Deployment(compose(args.overrides))
     try:
-        prompts = tiny_prompts(args.requests, vocab=deployment.vocab_size)
+        prompts = tiny_prompts(args.requests, vocab=deployment.vocab_size, length=args.prompt_len)
         sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         start = time.perf_counter()
         deployment.generate(prompts, sampling)
@@ -133,6 +153,90 @@ def main() -> None:
     ok = report.completed == report.sent == counted and free == total
     print("all completed, counters agree, no leak" if ok else f"FAILED: errors {report.errors}")
     sys.exit(0 if ok else 1)
+
+
+# -- xPyD: separate `pdflow serve` processes behind a router process -----------------------
+
+URL_LINE = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
+
+
+def serve(role: str, overrides: list[str], *extra: str) -> tuple[subprocess.Popen, str]:
+    """One ``pdflow serve`` process on a free loopback port, and its URL once it serves."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", f"role={role}", "serve.port=0",
+                             *overrides, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if found := URL_LINE.search(line):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            return proc, found.group(1)
+    raise RuntimeError(f"pdflow serve role={role} ended before serving:\n" + "".join(seen[-30:]))
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def topology_run(args, prompts: list[list[int]], num_decode: int) -> tuple[LoadReport, bool, str]:
+    """``args.prefill`` prefill and ``num_decode`` decode instances under the load: the
+    report, whether every check held, and what the checks saw."""
+    procs = []
+    try:
+        started = [serve("prefill", args.overrides) for _ in range(args.prefill)]
+        started += [serve("decode", args.overrides) for _ in range(num_decode)]
+        procs = [p for p, _ in started]
+        prefill = [u for _, u in started[:args.prefill]]
+        decode = [u for _, u in started[args.prefill:]]
+        router, url = serve("router", args.overrides, f"serve.prefill=[{','.join(prefill)}]",
+                            f"serve.decode=[{','.join(decode)}]")
+        procs.append(router)
+        run_load(url, "tiny", prompts[:max(2, args.concurrency)], max_tokens=args.max_tokens,
+                 concurrency=args.concurrency)  # every pair paired, lazy paths warm: not timed
+        before = [scrape(u) for u in decode]
+        report = run_load(url, "tiny", prompts, max_tokens=args.max_tokens, concurrency=args.concurrency)
+        after = {u: scrape(u) for u in prefill + decode}
+    finally:
+        stop(procs)
+    counted = sum(sample(after[u], "pdflow_requests_total", outcome="length") - sample(b, "pdflow_requests_total",
+                                                                                       outcome="length")
+                  for u, b in zip(decode, before, strict=True))
+    held = {u: sample(m, "pdflow_kv_blocks_used") for u, m in after.items()}
+    pairings = {u: sorted(v for (name, _), v in m.items() if name == "pdflow_kv_pairings_total")
+                for u, m in after.items()}
+    ok = (report.completed == report.sent == counted and not any(held.values())
+          and all(pairings[u] == [1.0] * num_decode for u in prefill)
+          and all(pairings[u] == [1.0] * args.prefill for u in decode))
+    return report, ok, f"decode instances counted {counted:.0f}; blocks held {held}; pairings {pairings}"
+
+
+def main_topology(args) -> int:
+    from pdflow import compose
+
+    spec = compose(args.overrides)
+    prompts = tiny_prompts(args.requests, vocab=spec.model.vocab, length=args.prompt_len)
+    shapes = ([args.baseline_decode] if args.baseline_decode else []) + [args.decode]
+    reports, failed = [], False
+    for num_decode in shapes:
+        report, ok, seen = topology_run(args, prompts, num_decode)
+        reports.append(report)
+        print(f"{args.prefill}P{num_decode}D: {report.line()}")
+        print(f"  {seen}")
+        print(f"  {'all completed, counters agree, no leak, each pair paired once' if ok else 'FAILED'}"
+              + ("" if ok else f": errors {report.errors}"))
+        failed |= not ok
+    if len(reports) == 2:
+        print(f"{args.prefill}P{args.decode}D / {args.prefill}P{args.baseline_decode}D req/s: "
+              f"{reports[1].requests_per_s / reports[0].requests_per_s:.2f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

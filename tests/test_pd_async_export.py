@@ -42,7 +42,8 @@ def _monolithic(prompts, device=()):
 def _admit(d, rid, prompt):
     blocks = d.consumer.add_remote_request(prompt, GREEDY, rid)
     first = dataclasses.replace(GREEDY, max_tokens=1)
-    d.producer.add_request(prompt, first, rid, kv_target=KVTarget(blocks=tuple(blocks), nonce=d.consumer.instance.kv_nonce(blocks)))
+    target = KVTarget(blocks=tuple(blocks), nonce=d.consumer.instance.kv_nonce(blocks))  # the consumer's grant
+    d.producer.add_request(prompt, first, rid, kv_target=target)
 
 
 def _decode(d, firsts):

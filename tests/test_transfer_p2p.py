@@ -355,10 +355,10 @@ def test_a_failed_pair_is_a_named_refusal_and_the_producer_rank_lives_on(graph_o
         (refusal,) = caught.value.refusals
         assert refusal.code == Code.PAIRING_PEER_FAILED
         assert "could not set up the pair" in refusal.message and refusal.fix
-        assert producer.p2p_peers == {}
+        assert not producer.paired()
         consumers[1].listener.buffer_bytes, consumers[1].listener.fit_to_requests = 0, True
         producer.pair([link.endpoint() for link in consumers.values()])  # pairs once the consumer can
-        assert sorted(producer.p2p_peers) == [0, 1]
+        assert sorted(producer.consumers[""].p2p) == [0, 1]
     finally:
         for link in (producer, *consumers.values()):
             link.close()

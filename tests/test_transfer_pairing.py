@@ -84,4 +84,4 @@ def test_pairing_only_codes_through_a_producer_ranks_link(graph_of):
     assert set(got) | {Code.PAIRING_PEER_FAILED} == PAIRING_ONLY
     assert [r.code for r in got[Code.PAIRING_RANK_UNKNOWN]] == [Code.PAIRING_RANK_UNKNOWN]
     assert {r.code for r in got[Code.PAIRING_REGION_INVALID]} == {Code.PAIRING_REGION_INVALID}
-    assert link.p2p_peers == {}  # refused: nothing paired, nothing to write to
+    assert not link.paired()  # refused: nothing paired, nothing to write to

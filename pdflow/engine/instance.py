@@ -93,13 +93,14 @@ class Instance:
         instance; its ranks refuse a transfer without it."""
         return kv_nonce(self.kv_key, blocks)
 
-    def pair(self, consumer: list[KVEndpoint]) -> None:
-        """Give every producer rank the consumer's endpoints; each checks the units it will
-        write against its plan. Raises ``PairingRefused`` (nothing written) on a mismatch."""
+    def pair(self, consumer: list[KVEndpoint], consumer_id: str = "") -> None:
+        """Give every producer rank the endpoints of consumer instance ``consumer_id``
+        (kept beside other consumers'); each checks the units it will write against its
+        plan. Raises ``PairingRefused`` (nothing written) on a mismatch."""
         if self.role != PRODUCER:
             raise ValueError(f"only a producer pairs with a consumer; this is the {self.role}")
         refusals = []
-        for answer in self._executor().control(PairConsumer(endpoints=consumer)):
+        for answer in self._executor().control(PairConsumer(endpoints=consumer, consumer=consumer_id)):
             refusals += [Refusal(code=Code(r.code), message=r.message, fix=r.fix)
                          for r in _expect(answer, Paired, self.role).refusals]
         if refusals:

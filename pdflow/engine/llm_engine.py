@@ -15,7 +15,7 @@ from pdflow.engine.scheduler import ScheduledBatch, Scheduler
 from pdflow.engine.sequence import KVTarget, Sequence, SequenceStatus
 from pdflow.engine.step_input import build_step_input
 from pdflow.model.config import DecoderConfig
-from pdflow.parallel.messages import PromptLogprobs
+from pdflow.parallel.messages import KVEndpoint, PromptLogprobs
 from pdflow.spec_decode.stats import AcceptanceStats
 from pdflow.worker.stage import draft_lookahead
 
@@ -273,6 +273,16 @@ class LLMEngine:
         return [out]
 
     # -- P/D: a consumer admits a request whose prompt KV another instance writes -------
+
+    def pair(self, endpoints: list[KVEndpoint], consumer: str) -> list[TokenOutput]:
+        """P/D producer: pair with one more consumer instance (``Instance.pair``). Control
+        goes between steps, so the steps in flight are collected first (their outputs are
+        returned); requests for other consumers, exports in flight included, go on."""
+        outputs = []
+        while self._in_flight:
+            outputs += self._collect_step()
+        self.instance.pair(endpoints, consumer)
+        return outputs
 
     def add_remote_request(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str

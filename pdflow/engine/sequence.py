@@ -12,10 +12,12 @@ from pdflow.spec_decode.stats import AcceptanceStats
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KVTarget:
     """P/D, producer side: where this prompt's KV goes once prefilled (the consumer's
-    block ids for the prompt, in order) and the nonce that names this transfer."""
+    block ids for the prompt, in order), the nonce that names this transfer, and which
+    consumer instance it is (the id it paired under; "" for ``Deployment``'s one)."""
 
     blocks: tuple[int, ...]
     nonce: int
+    consumer: str = ""
 
 
 class SequenceStatus(enum.Enum):

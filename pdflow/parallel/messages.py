@@ -33,9 +33,11 @@ class SamplingSpec(msgspec.Struct, kw_only=True):
 
 class KVExport(msgspec.Struct, kw_only=True):
     """Write one request's prompt blocks (producer ids) into the consumer's blocks, as the
-    graph's cut plan says, once this step's forward has filled them."""
+    graph's cut plan says, once this step's forward has filled them. ``consumer``: the
+    consumer instance (its id in the producer ranks' peer table)."""
 
     request_id: str
+    consumer: str = ""
     nonce: int
     src_blocks: list[int]
     dst_blocks: list[int]
@@ -185,9 +187,11 @@ class KVLinkOpened(msgspec.Struct, tag=True, kw_only=True):
 
 
 class PairConsumer(msgspec.Struct, tag=True, kw_only=True):
-    """Owner -> producer rank: the consumer ranks to write to (every one of them)."""
+    """Owner -> producer rank: the ranks (every one) of consumer instance ``consumer`` to
+    write to; added to the rank's peer table beside other consumers'."""
 
     endpoints: list[KVEndpoint]
+    consumer: str = ""
 
 
 class RefusalInfo(msgspec.Struct, kw_only=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from pdflow.serve.backend import ServingBackend
 from pdflow.serve.engine_loop import StreamEvent, Ticket
@@ -75,5 +76,25 @@ class ServeMetrics:
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
 
+    def count_pairings(self, counts: dict[str, int]) -> None:
+        """P/D instances: ``pdflow_kv_pairings_total{peer=}``, how often this instance's
+        ranks paired with each peer instance (read from ``counts`` at every scrape)."""
+        self.registry.register(PairingCounts(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PairingCounts:
+    """A collector of pairings per peer instance (a producer: per consumer id; a consumer:
+    per producer URL). Each pair should pair once; more means the ranks re-paired."""
+
+    def __init__(self, counts: dict[str, int]):
+        self.counts = counts
+
+    def collect(self):
+        family = CounterMetricFamily("pdflow_kv_pairings", "KV pairings with each peer instance.",
+                                     labels=["peer"])
+        for peer, n in dict(self.counts).items():
+            family.add_metric([peer], n)
+        yield family

@@ -101,6 +101,7 @@ class DecodeBackend(EngineFacts):
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
         self._paired: set[str] = set()
+        self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
         self._pair_lock = threading.Lock()
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
@@ -173,6 +174,7 @@ class DecodeBackend(EngineFacts):
             if producer not in self._paired:
                 self._post(producer + PAIR_PATH, self.pair_request, None)
                 self._paired.add(producer)
+                self.pairings[producer] = self.pairings.get(producer, 0) + 1
 
     def _post(self, url: str, message, kind):
         r = self._client.post(url, content=msgspec.json.encode(message),
@@ -210,12 +212,18 @@ class DecodeBackend(EngineFacts):
         return outputs
 
 
-def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None) -> None:
+def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
+                      host: EngineHost | None = None) -> None:
     app.add_middleware(ProducerHeader)
+    backend: DecodeBackend | None = host.backend if host is not None else None
+    if backend is not None:
+        host.metrics.count_pairings(backend.pairings)
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():
-        return msgspec.to_builtins(card)
+        if backend is None:
+            return msgspec.to_builtins(card)
+        return msgspec.to_builtins(card) | {"consumer_id": backend.consumer_id, "pairings": dict(backend.pairings)}
 
 
 def pairing_host(backend: DecodeBackend) -> EngineHost:

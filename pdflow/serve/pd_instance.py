@@ -62,7 +62,7 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     else:
         from pdflow.serve.pd_decode import add_decode_routes
 
-        add_decode_routes(app, card, api_key=api_key)
+        add_decode_routes(app, card, api_key=api_key, host=host)
     return app
 
 

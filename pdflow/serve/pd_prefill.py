@@ -3,9 +3,10 @@
 Its OpenAI API serves requests whole (it holds the whole model); its internal routes
 take consumers' pairing and their remote prefills (``pd_wire``). A remote prefill rides
 the same engine loop as an API request: its prompt is a ``RemotePrompt`` carrying the
-exchange, so one thread steps the engine. The ranks write into one consumer at a time
-(a rank's KV link keeps one set of peers), so a prefill for another consumer waits until
-the engine is idle and re-pairs there; nothing is in flight to the old one then.
+exchange, so one thread steps the engine. The ranks keep a peer table by consumer id:
+the first prefill for a consumer pairs its ranks with that consumer's (once; the steps
+in flight are collected first, nothing is drained), and prefills for different consumers
+interleave freely after that.
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ class PrefillBackend(EngineFacts):
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # Consumers' endpoints as they posted them, and those the ranks have paired with
+        # (a consumer posting other endpoints is paired again on its next prefill).
         self.consumers: dict[str, list[KVEndpoint]] = {}
-        self.paired: str | None = None
-        # Remote prefills not yet in the engine (waiting to re-pair): (id, job, sampling).
+        self.paired: set[str] = set()
+        self.pairings: dict[str, int] = {}  # ranks paired, per consumer id (/metrics)
+        # Remote prefills not yet in the engine (handed over on the engine thread): (id, job, sampling).
         self.pending: deque[tuple[str, RemotePrefill, SamplingParams]] = deque()
         self.remote: set[str] = set()  # in the engine, answer not yet taken
         self.answers: dict[str, PrefillAnswer] = {}
@@ -90,22 +94,22 @@ class PrefillBackend(EngineFacts):
         return self.engine.abort(request_id)
 
     def step(self) -> list[TokenOutput]:
-        self._admit_remote()
+        stepped = self._admit_remote()
         outputs, self._failed = self._failed, []
         if self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.request_id in self.remote:
-                    self.remote.discard(out.request_id)
-                    failed = out.kv_error
-                    self.answers[out.request_id] = PrefillAnswer(
-                        token_id=out.token_id, logprob=out.logprob, error=failed and f"KV transfer failed: {failed}",
-                        top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-                        prompt_top_logprobs=out.prompt_top_logprobs, num_cached_tokens=out.num_cached_tokens)
-                    self.prefills += failed is None
-                outputs.append(out)
-        elif not outputs:
+            stepped += self.engine.step()
+        elif not outputs and not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
-        return outputs
+        for out in stepped:
+            if out.request_id in self.remote:
+                self.remote.discard(out.request_id)
+                failed = out.kv_error
+                self.answers[out.request_id] = PrefillAnswer(
+                    token_id=out.token_id, logprob=out.logprob, error=failed and f"KV transfer failed: {failed}",
+                    top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
+                    prompt_top_logprobs=out.prompt_top_logprobs, num_cached_tokens=out.num_cached_tokens)
+                self.prefills += failed is None
+        return outputs + stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         return None
@@ -115,28 +119,29 @@ class PrefillBackend(EngineFacts):
 
     # -- remote prefills ---------------------------------------------------------------
 
-    def _admit_remote(self) -> None:
+    def _admit_remote(self) -> list[TokenOutput]:
+        """Hand the remote prefills to the engine, pairing with a consumer the first time
+        one names it; the outputs of the steps collected before a pairing."""
+        outputs = []
         while self.pending:
-            rid, job, sampling = self.pending[0]
-            if job.consumer_id != self.paired:
-                if self.engine.has_unfinished():
-                    return  # re-pair once nothing is in flight to the current consumer
-                endpoints = self.consumers.get(job.consumer_id)
+            rid, job, sampling = self.pending.popleft()
+            cid = job.consumer_id
+            if cid not in self.paired:
+                endpoints = self.consumers.get(cid)
                 if endpoints is None:
-                    self.pending.popleft()
-                    self._fail(rid, f"consumer {job.consumer_id} has not paired with this prefill instance "
+                    self._fail(rid, f"consumer {cid} has not paired with this prefill instance "
                                f"(POST {PAIR_PATH} first)")
                     continue
                 try:
-                    self.engine.instance.pair(endpoints)
+                    outputs += self.engine.pair(endpoints, cid)
                 except PairingRefused as err:
-                    self.pending.popleft()
-                    self.consumers.pop(job.consumer_id, None)
+                    if self.consumers.get(cid) is endpoints:
+                        self.consumers.pop(cid, None)
                     self._fail(rid, f"pairing refused: {err}")
                     continue
-                self.paired = job.consumer_id
-            self.pending.popleft()
-            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce)
+                self.paired.add(cid)
+                self.pairings[cid] = self.pairings.get(cid, 0) + 1
+            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid)
             try:
                 self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1),
                                         rid, kv_target=target)
@@ -144,6 +149,7 @@ class PrefillBackend(EngineFacts):
                 self._fail(rid, str(err))
                 continue
             self.remote.add(rid)
+        return outputs
 
     def _fail(self, rid: str, why: str) -> None:
         self.answers[rid] = PrefillAnswer(token_id=-1, logprob=0.0, error=why)
@@ -154,10 +160,11 @@ class PrefillBackend(EngineFacts):
 def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:
     backend: PrefillBackend = host.backend
     guard = [Depends(bearer_guard(api_key))]
+    host.metrics.count_pairings(backend.pairings)
 
     @app.get(INSTANCE_PATH, dependencies=guard)
     async def instance():
-        return msgspec.to_builtins(card) | {"prefills": backend.prefills}
+        return msgspec.to_builtins(card) | {"prefills": backend.prefills, "pairings": dict(backend.pairings)}
 
     @app.post(PAIR_PATH, dependencies=guard)
     async def pair(request: Request):
@@ -166,7 +173,9 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
             raise APIError(409, f"RunGraphMismatch: consumer {ask.consumer_id} describes run graph "
                            f"{ask.fingerprint}, this prefill instance {card.fingerprint}; start both with the "
                            "same overrides", code="run_graph_mismatch")
-        backend.consumers[ask.consumer_id] = ask.endpoints
+        if backend.consumers.get(ask.consumer_id) != ask.endpoints:  # new, or its ranks changed
+            backend.consumers[ask.consumer_id] = ask.endpoints
+            backend.paired.discard(ask.consumer_id)  # its ranks pair (again) on its next prefill
         return {"paired": ask.consumer_id}
 
     @app.post(PREFILL_PATH, dependencies=guard)

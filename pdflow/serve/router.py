@@ -3,8 +3,10 @@ answer back unchanged.
 
 Backends are picked round robin (``RoundRobin``). With ``prefill`` URLs the backends are
 decode instances and each generation request is paired: it goes to the next decode
-instance with the next prefill instance named in its ``x-pdflow-prefill`` header, and the
-decode instance has that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passes through;
+instance with a prefill instance named in its ``x-pdflow-prefill`` header, and the
+decode instance has that one prefill it (``pd_decode``). The prefill instances turn one
+place further each round of the decode instances, so P prefill and D decode instances
+see every (prefill, decode) pair within P x D requests, each instance as often as the next. A backend's own answer, 4xx included, passes through;
 a backend that cannot be reached is skipped for the next one, and when none answers the
 client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502, except a
 backend's own 503 (overloaded: it says when to retry), which passes through with its
@@ -37,16 +39,21 @@ CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 class RoundRobin:
     """Backends in turn; ``pick`` gives the order to try them in for one request."""
 
-    def __init__(self, backends: list[str]):
+    def __init__(self, backends: list[str], *, shift_every: int = 0):
         if not backends:
             raise ValueError("a router needs at least one backend URL")
         self.backends = [b.rstrip("/") for b in backends]
+        # Every ``shift_every`` picks, start one further on (pairing with a round robin of
+        # that many others, so every pair of the two comes up).
+        self.shift_every = shift_every
         self._next = itertools.count()
         self._lock = threading.Lock()
 
     def pick(self) -> list[str]:
         with self._lock:
-            start = next(self._next) % len(self.backends)
+            k = next(self._next)
+            # the other round robin's place, plus one per round of it
+            start = (k % self.shift_every + k // self.shift_every if self.shift_every else k) % len(self.backends)
         return self.backends[start:] + self.backends[:start]
 
 
@@ -66,7 +73,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """``backend_api_key`` (default: ``api_key``) is sent to the backends."""
     picker = RoundRobin(backends)
-    producers = RoundRobin(prefill) if prefill else None
+    producers = RoundRobin(prefill, shift_every=len(picker.backends)) if prefill else None
     metrics = RouterMetrics()
     forward_key = backend_api_key if backend_api_key is not None else api_key
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))

@@ -1,5 +1,6 @@
 """Control messages a rank answers between steps (the same code in process and per rank):
-open its KV link (register the pool with the transfer engine) and pair with consumers."""
+open its KV link (register the pool with the transfer engine) and pair with consumers.
+Pairing one more consumer leaves the sender running: exports to the others go on."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
     if isinstance(msg, OpenKVLink):
         return KVLinkOpened(endpoint=stage.link.open(msg.key))
     if isinstance(msg, PairConsumer):
-        stage.close_sender()  # exports in flight to the old peers settle first
+        if stage.link.paired(msg.consumer):  # its old peers close: exports in flight settle first
+            stage.close_sender()
         try:
-            stage.link.pair(msg.endpoints)
+            stage.link.pair(msg.endpoints, msg.consumer)
         except PairingRefused as err:
             return Paired(rank=rank, refusals=[RefusalInfo(code=str(r.code), message=r.message, fix=r.fix)
                                                for r in err.refusals])

@@ -1,4 +1,4 @@
-"""A rank's end of P/D KV transfer: register its pool, pair with the consumer, export.
+"""A rank's end of P/D KV transfer: register its pool, pair with consumers, export.
 
 A consumer rank registers every unit cache with the transfer engine and publishes a
 ``KVEndpoint`` (session id, addresses, and the layout each unit was built with). A
@@ -7,9 +7,15 @@ pairing, and refuses a mismatch there, by the graph's refusal code, before a byt
 Its sender (``worker.kv_sender``) writes each exported request's blocks to every
 consumer rank its cut plans name, off the forward: the bytes and offsets come from the
 graph's ``CutPlan``, the addresses from the endpoints (``transfer.descriptors``).
+
+A producer rank keeps a peer table keyed by consumer instance id: pairing with one more
+consumer adds its peers and leaves the others' (and their exports in flight) alone, so
+one prefill instance serves many decode instances without draining between them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +66,19 @@ def endpoint_refusals(expected: dict[str, UnitSpec], endpoint: KVEndpoint, rank_
     return refusals
 
 
+@dataclass(kw_only=True, slots=True)
+class ConsumerPeers:
+    """One consumer instance's ranks as a producer rank writes them: direct Mooncake
+    (session id, its unit regions, the cut) or a p2p pair, by consumer rank."""
+
+    direct: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = field(default_factory=dict)
+    p2p: dict[int, P2PPeer] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for peer in self.p2p.values():
+            peer.close()
+
+
 class KVLink:
     """One rank's KV transfer: Mooncake (one-sided writes into registered memory) or, with
     ``transfer=nccl``, the two-sided point-to-point pairs of ``transfer.p2p``."""
@@ -84,9 +103,10 @@ class KVLink:
             self.transport = MooncakeTransport(graph.spec.transfer)
             self.regions = {name: self.transport.register_unit(unit, caches[name])
                             for name, unit in self.units.items()}
-        # Producer side, after pairing: consumer rank -> (session id, its unit regions).
-        self.peers: dict[int, tuple[str, dict[str, UnitRegion], CutPlan]] = {}
-        self.p2p_peers: dict[int, P2PPeer] = {}
+        # Producer side: consumer instance id -> its ranks' peers. Replaced whole (never
+        # mutated in place) as consumers pair, so the sender's thread reads it unlocked.
+        self.consumers: dict[str, ConsumerPeers] = {}
+        self._consumer_ranks = sorted({c.consumer_rank for c in graph.cuts if c.producer_rank == rank})
 
     def open(self, key: bytes) -> KVEndpoint:
         """Take the consumer owner's pairing key (the listener checks producers' hellos and
@@ -105,8 +125,10 @@ class KVLink:
                           pairing=self.listener.pairing if self.listener is not None else "",
                           units=[_address(self.units[n], r) for n, r in self.regions.items()])
 
-    def pair(self, endpoints: list[KVEndpoint]) -> None:
-        """Check and keep the consumer ranks this producer rank writes to."""
+    def pair(self, endpoints: list[KVEndpoint], consumer: str = "") -> None:
+        """Check and keep the ranks of consumer instance ``consumer`` this producer rank
+        writes to; the peers of other consumers stay as they are. Pairing a consumer again
+        replaces (and closes) its old peers: nothing may be in flight to them then."""
         if self.role != PRODUCER:
             raise RuntimeError(f"{self.role} ranks do not export KV")
         by_rank = {e.rank: e for e in endpoints}
@@ -114,17 +136,19 @@ class KVLink:
         for cut in self.graph.cuts:
             if cut.producer_rank != self.rank:
                 continue
-            consumer = self.graph.rank(CONSUMER, cut.consumer_rank)
+            dest = self.graph.rank(CONSUMER, cut.consumer_rank)
             endpoint = by_rank.get(cut.consumer_rank)
             if endpoint is None:
                 raise PairingRefused([Refusal(code=Code.PAIRING_RANK_UNKNOWN,
-                                              message=f"no endpoint for consumer rank {consumer.label}.",
+                                              message=f"no endpoint for consumer rank {dest.label}.",
                                               fix="pair with every rank of the consumer instance.")])
             cut = cut.over(set(self.regions))
             written = {dst for g in cut.groups for _, dst in g.units}
-            expected = {u.name: u for u in consumer.units if u.name in written}
-            refusals = endpoint_refusals(expected, endpoint, consumer.label)
+            expected = {u.name: u for u in dest.units if u.name in written}
+            refusals = endpoint_refusals(expected, endpoint, dest.label)
             if refusals:
+                for made in p2p_peers.values():
+                    made.close()
                 raise PairingRefused(refusals)
             if self.p2p:
                 if cut.groups:
@@ -132,7 +156,7 @@ class KVLink:
                         p2p_peers[cut.consumer_rank] = P2PPeer(
                             address=endpoint.session_id, pairing=endpoint.pairing,
                             consumer_device=endpoint.device, plan=cut,
-                            caches=self.caches, dst_block_bytes={u.name: u.bytes_per_block for u in consumer.units},
+                            caches=self.caches, dst_block_bytes={u.name: u.bytes_per_block for u in dest.units},
                             producer_rank=self.rank, spec=self.graph.spec.transfer, transport=self.transport)
                     except TransferError as err:  # refused or unreachable: a refusal, the rank lives on
                         for made in p2p_peers.values():
@@ -140,44 +164,53 @@ class KVLink:
                         raise PairingRefused([Refusal(
                             code=Code.PAIRING_PEER_FAILED,
                             message=f"producer rank {self.graph.rank(PRODUCER, self.rank).label} could not pair "
-                                    f"with consumer rank {consumer.label}: {err}",
+                                    f"with consumer rank {dest.label}: {err}",
                             fix="read the consumer rank's reason (or its log, if it closed the connection); check "
                                 "that both instances run and that transfer.* agrees on both sides.")]) from err
                 continue
             regions = {u.name: UnitRegion(base=u.base, block_bytes=u.block_bytes, num_blocks=u.num_blocks,
                                           chunk_blocks=u.chunk_blocks) for u in endpoint.units}
             peers[cut.consumer_rank] = (endpoint.session_id, regions, cut)
-        for old in self.p2p_peers.values():
+        old = self.consumers.get(consumer)
+        self.consumers = {**self.consumers, consumer: ConsumerPeers(direct=peers, p2p=p2p_peers)}
+        if old is not None:
             old.close()
-        self.peers, self.p2p_peers = peers, p2p_peers
+
+    def paired(self, consumer: str = "") -> bool:
+        return consumer in self.consumers
 
     @property
     def consumer_ranks(self) -> list[int]:
-        """The consumer ranks this rank writes to (its sender sends to them all at once)."""
-        return sorted({*self.peers, *self.p2p_peers})
+        """The ranks of a consumer instance this rank writes to, the same for every
+        consumer of its graph (its sender sends to them all at once)."""
+        return self._consumer_ranks
 
     @property
     def writes_outside_streams(self) -> bool:
         """A direct Mooncake write is read by the engine outside any stream: the host must
         wait for the forward that wrote the KV before one starts."""
-        return bool(self.peers)
+        return not self.p2p
 
     def send(self, consumer_rank: int, job: KVExport) -> None:
-        """Write one request's blocks into one consumer rank; raises if they did not land.
-        Runs on the sender's thread, in its stream, ordered after the forward that wrote
-        them; each pair has its own lock, so the consumer ranks are written at once."""
-        direct = self.peers.get(consumer_rank)
+        """Write one request's blocks into one rank of the consumer the job names; raises
+        if they did not land (or that consumer never paired with this rank). Runs on the
+        sender's thread, in its stream, ordered after the forward that wrote them; each
+        pair has its own lock, so the consumer ranks are written at once."""
+        peers = self.consumers.get(job.consumer)
+        if peers is None:
+            raise TransferError(f"producer rank {self.rank} has not paired with consumer {job.consumer!r}")
+        direct = peers.direct.get(consumer_rank)
         if direct is not None:
             session, regions, cut = direct
             self.transport.write(session, block_descriptors(cut, self.regions, regions,
                                                             job.src_blocks, job.dst_blocks))
-        peer = self.p2p_peers.get(consumer_rank)
+        peer = peers.p2p.get(consumer_rank)
         if peer is not None:
             peer.send(job.src_blocks, job.dst_blocks, job.request_id, job.nonce)
 
     def close(self) -> None:
-        for peer in self.p2p_peers.values():
-            peer.close()
+        for peers in self.consumers.values():
+            peers.close()
         if self.listener is not None:
             self.listener.close()
         if self.transport is not None:
