@@ -1,5 +1,5 @@
 """When the model runs the fused Triton kernels (RMSNorm + residual add, SiLU-and-mul,
-RoPE with qk-norm and the KV write) instead of the torch ops.
+RoPE with qk-norm and the KV write, the MoE experts' grouped GEMMs) instead of the torch ops.
 
 A bf16 decode step of a small model is otherwise thousands of 1-4 us elementwise kernels
 (issue 15's profile). Auto, the default: fused only for CUDA tensors with the triton
@@ -44,6 +44,7 @@ class FusedOps:
     rms_norm: Callable
     silu_and_mul: Callable
     qk_rope_: Callable
+    fused_moe: Callable
 
 
 @functools.cache
@@ -57,8 +58,10 @@ def ops() -> FusedOps:
                 "before triton is imported; set it in the environment, or leave "
                 f"{ENV} at auto/off on CPU")
         os.environ["TRITON_INTERPRET"] = "1"
+    from pdflow.kernels.fused_moe import fused_moe
     from pdflow.kernels.qk_rope import qk_rope_
     from pdflow.kernels.rms_norm import rms_norm
     from pdflow.kernels.silu_and_mul import silu_and_mul
 
-    return FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, qk_rope_=qk_rope_)
+    return FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, qk_rope_=qk_rope_,
+                    fused_moe=fused_moe)
