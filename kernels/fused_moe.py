@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot_precision, interpreting, mma
 from .reference_moe import fused_moe_reference, route
 
 __all__ = ["fused_moe", "fused_moe_reference", "route", "align_pairs"]
@@ -50,7 +51,7 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, s_x, s_we, s_wn, s_o,
                     PAIRS: tl.constexpr, TOP_K: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
@@ -72,8 +73,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, s_x, s_we
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(w_base + (cols[None, :] + N) * s_wn + ks[:, None],
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            acc_g = acc_g + mma(a, g, PRECISION, UPCAST)
+            acc_u = acc_u + mma(a, u, PRECISION, UPCAST)
         act = (acc_g / (1.0 + tl.exp(-acc_g))) * acc_u
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * s_o + cols[None, :],
                  act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
@@ -83,7 +84,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, s_x, s_we
 def _down_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, weight_ptr, s_a, s_we, s_wn,
                  s_o, PAIRS: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
@@ -101,7 +102,7 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, weight_ptr, 
                         mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + cols[None, :] * s_wn + ks[:, None],
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = acc + mma(a, w, PRECISION, UPCAST)
         scale = tl.load(weight_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         out = acc * scale[:, None]
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_o + cols[None, :],
@@ -127,18 +128,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return torch.zeros_like(x)
     block_m, block_n, block_k = _blocks(pairs, n, h)
     rows, block_expert = align_pairs(ids, e, block_m)
-    # fp32 stays fp32 (tf32 would drift from the reference); bf16/fp16 run the tensor cores.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = dot_precision(x.dtype)  # fp32 stays exact; 16-bit runs the tensor cores
     act = torch.empty(rows.numel(), n, dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
     _gate_up_kernel[(blocks, triton.cdiv(n, block_n))](
         x, w13, act, rows, block_expert, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         PAIRS=pairs, TOP_K=k, N=n, H=h, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        UPCAST=interpreting(x),
     )
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(h, block_n))](
         act, w2, out, rows, block_expert, weights.reshape(-1).contiguous(), act.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0),
         PAIRS=pairs, N=n, H=h, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        UPCAST=interpreting(x),
     )
     return out.view(t, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)
