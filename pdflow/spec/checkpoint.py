@@ -113,6 +113,11 @@ def checkpoint_field(key: str, *, _parent_) -> Any:
     of the checkpoint at the config's ``path`` (``name``: the folder's name)."""
     path = None if _parent_._get_node("path")._is_missing() else _parent_.path
     revision = _parent_.get("revision")
+    if not path and key == "mlp_only_layers":
+        # A list field is resolved once when hf.yaml merges into the schema, before the
+        # command line's path lands; the interpolation stays and resolves again later.
+        # The other fields still refuse a missing path.
+        return None
     if not path:
         raise ValueError(f"model.{key} comes from the checkpoint: give model.path=<HF checkpoint "
                          f"folder (with config.json) or hub id>, or set model.{key}")
