@@ -1,19 +1,27 @@
 """Qwen3-MoE layers: the sparse block equals transformers' exactly (fp32, CPU), TP ranks'
 expert slices sum to the whole, and greedy tokens of a random Qwen3-MoE checkpoint equal
-transformers' at TP1, TP2 and PP2. A router that skips the renormalisation, or ranks that
+transformers' at TP1, TP2 and PP2, and with the fused kernels forced on (the Triton MoE
+kernel in the model, interpreted on CPU). A router that skips the renormalisation, or ranks that
 take each other's expert rows, are caught."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-import transformers
 
-from pdflow import LLM, SamplingParams
-from pdflow.model.config import DecoderConfig
-from pdflow.model.hf_checkpoint import write_random_checkpoint
-from pdflow.model.moe import SparseMoeBlock
-from pdflow.spec import ParallelSpec
+if not torch.cuda.is_available():  # fused kernels forced on below run interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import transformers  # noqa: E402
+
+from pdflow import LLM, SamplingParams  # noqa: E402
+from pdflow.model import fused  # noqa: E402
+from pdflow.model.config import DecoderConfig  # noqa: E402
+from pdflow.model.hf_checkpoint import write_random_checkpoint  # noqa: E402
+from pdflow.model.moe import SparseMoeBlock  # noqa: E402
+from pdflow.spec import ParallelSpec  # noqa: E402
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -129,3 +137,24 @@ def test_moe_greedy_equals_transformers_tp1(moe_checkpoint, hf_tokens):
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
 def test_moe_greedy_equals_transformers_under_tp_and_pp(moe_checkpoint, hf_tokens, layout):
     assert _generate(moe_checkpoint, **layout) == hf_tokens
+
+
+def test_forced_fused_kernels_run_the_moe_kernel_and_give_transformers_tokens(
+        moe_checkpoint, hf_tokens, monkeypatch):
+    """The model's layout of the stacked experts is what the kernel reads: fp32 through
+    ``kernels.fused_moe`` (and the other fused kernels) gives the same greedy tokens."""
+    monkeypatch.setenv(fused.ENV, "on")
+    calls = []
+    real = fused.ops()
+    monkeypatch.setattr(fused, "ops", lambda: fused.FusedOps(
+        rms_norm=real.rms_norm, silu_and_mul=real.silu_and_mul, qk_rope_=real.qk_rope_,
+        fused_moe=lambda *a: calls.append(a[0].shape[0]) or real.fused_moe(*a)))
+    prompts, new = PROMPTS[:1], 4
+    llm = LLM(str(moe_checkpoint), ParallelSpec(block_size=32, kv_page_tokens=16, num_kv_blocks=8),
+              dtype="float32")
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [hf_tokens[0][:new]]
+    assert len(calls) == 3 * new  # three sparse layers, a prefill and three decode steps

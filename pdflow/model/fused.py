@@ -39,12 +39,19 @@ def enabled(setting: bool | None, x: torch.Tensor, backend) -> bool:
     return x.is_cuda and getattr(backend, "name", None) == "triton"
 
 
+def _fused_moe(*args):
+    """``kernels.fused_moe.fused_moe``, imported when an MoE layer first runs fused."""
+    from pdflow.kernels.fused_moe import fused_moe
+
+    return fused_moe(*args)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FusedOps:
     rms_norm: Callable
     silu_and_mul: Callable
     qk_rope_: Callable
-    fused_moe: Callable
+    fused_moe: Callable = _fused_moe
 
 
 @functools.cache
@@ -58,10 +65,8 @@ def ops() -> FusedOps:
                 "before triton is imported; set it in the environment, or leave "
                 f"{ENV} at auto/off on CPU")
         os.environ["TRITON_INTERPRET"] = "1"
-    from pdflow.kernels.fused_moe import fused_moe
     from pdflow.kernels.qk_rope import qk_rope_
     from pdflow.kernels.rms_norm import rms_norm
     from pdflow.kernels.silu_and_mul import silu_and_mul
 
-    return FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, qk_rope_=qk_rope_,
-                    fused_moe=fused_moe)
+    return FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, qk_rope_=qk_rope_)
