@@ -94,6 +94,19 @@ def test_tp_ranks_expert_slices_sum_to_the_whole_and_swapped_rows_are_caught():
     assert not torch.allclose(r0(x) + r1(x), whole, atol=1e-3)
 
 
+def test_the_capturable_dense_path_equals_the_one_by_one_path():
+    """What a CUDA graph captures with the fused kernels off: every expert over every row."""
+    from pdflow.model.moe import experts_all_dense, experts_one_by_one
+
+    cfg, hf = _hf_block(True, seed=5)
+    ours = _ours(cfg, hf, per_expert=False)
+    x = torch.randn(13, cfg.hidden_size)
+    weights, ids = ours.gate(x)
+    w13, w2 = ours.experts.gate_up_proj, ours.experts.down_proj
+    torch.testing.assert_close(experts_all_dense(x, w13, w2, weights, ids),
+                               experts_one_by_one(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3moe")
