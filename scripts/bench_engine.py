@@ -10,6 +10,7 @@ Each row fails on its own (the table says why); the table comes last.
 
     python scripts/bench_engine.py --shape qwen3-0.6b,llama3-8b --fused both   # H200, ~3 min
     python scripts/bench_engine.py --shape qwen3-0.6b --overlap both            # overlap on vs off
+    python scripts/bench_engine.py --shape qwen3-30b-a3b --fused on             # H200, MoE
     python scripts/bench_engine.py --shape tiny --device cpu                     # CPU
     python scripts/bench_engine.py --model PATH --batch 8 --prompt-len 256 --output-len 64
 """
@@ -44,6 +45,18 @@ SHAPES = {
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
         rope_theta=500_000.0, max_position_embeddings=8192), (32, 512, 128)),
+    # conf/model/qwen3-30b-a3b: 128 experts, top-8, all 48 layers sparse (issue 35).
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        rope_theta=1_000_000.0, max_position_embeddings=40960), (64, 512, 256)),
+    # A few-expert stand-in of that family for CPU runs of the script.
+    "tiny-moe": ("qwen3_moe", dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=256, vocab_size=256, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        max_position_embeddings=1024), (4, 32, 16)),
     # The shipped model's geometry (conf/model/tiny): the CPU stand-in.
     "tiny": ("llama", dict(
         hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -133,6 +146,8 @@ def write_checkpoint(folder: Path, shape: str, device: str, dtype: torch.dtype, 
     common = dict(fields, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
     if family == "qwen3":
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        cfg, cls = transformers.Qwen3MoeConfig(**common), transformers.Qwen3MoeForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdflow.bench.roofline import Workload, prefill_flops, roofline, weight_bytes
+from pdflow.bench.roofline import Workload, experts_hit, prefill_flops, roofline, weight_bytes
 from pdflow.model.config import DecoderConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_engine.py"
@@ -79,6 +79,24 @@ def test_roofline_by_hand():
     assert r.decode_kv_bytes == kv_token * 2 * (5 + 6)  # steps read 5 then 6 tokens per seq
     assert r.decode_s == pytest.approx(2 * 80 + r.decode_kv_bytes)
     assert r.prefill_s == pytest.approx(80)
+
+
+def test_moe_roofline_reads_the_experts_a_step_hits():
+    """A sparse layer: router (E x hidden) plus the experts the step's rows hit: k for one
+    row, all but a few of 128 for 64 rows of top-8 (Qwen3-30B-A3B)."""
+    moe = DecoderConfig(architecture="Qwen3MoeForCausalLM", vocab_size=3, hidden_size=2, num_layers=2,
+                        num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=3, mlp_only_layers=[0])
+    # attention 16 + norms 4 per layer; layer 0 dense 12; layer 1 router 8 + 2 experts x 18;
+    # final norm 2, head 6.
+    assert weight_bytes(moe, 1, tokens=1) == 2 * 20 + 12 + 8 + 2 * 18 + 2 + 6
+    assert experts_hit(moe, 1) == 2 and 4 > experts_hit(moe, 3) > experts_hit(moe, 2) > 2
+    a3b = DecoderConfig(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, qk_norm=True)
+    # 3.3B active parameters less the embedding (0.31B, only gathered)
+    assert 3.0e9 < weight_bytes(a3b, 1, tokens=1) < 3.1e9
+    assert 125 < experts_hit(a3b, 64) < 127
 
 
 def test_roofline_matches_the_issue_figures():

@@ -35,7 +35,7 @@ RUNS = {
 }
 # name -> (sweep arguments, jobs, refusal codes every job is tagged with). Nothing launches.
 REFUSED = {
-    "too_big_for_cpu": (["-m", "model=llama3-8b,qwen3-8b,qwen3-0.6b,minimax-m3"], 4, {"KV_POOL_EMPTY"}),
+    "too_big_for_cpu": (["-m", "model=llama3-8b,qwen3-8b,qwen3-0.6b,minimax-m3,qwen3-30b-a3b"], 5, {"KV_POOL_EMPTY"}),
     "reference_hardware_and_rdma": (
         ["-m", "+experiment=ref_pp4_tp4_dspark,ref_pp4uneven_tp4_dspark,ref_tp4_tp4_dspark",
          "transfer=mooncake_rdma"], 3, {"DEVICE_UNAVAILABLE", "RDMA_UNAVAILABLE"}),

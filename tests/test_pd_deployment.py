@@ -109,15 +109,38 @@ def test_a_decode_step_computes_while_the_owner_waits_for_a_prefill_step(pp2_to_
     assert in_flight == {"prefill": 0, "decode": 0} and all(free == total for free, total in _pools(d))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# Qwen3-MoE: 8 experts, top-2, layer 1 dense, so each PP2 stage holds sparse layers.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+           mlp_only_layers=[1])
+RANDOM_LAYOUTS = {"llama": ["prefill=pp2", "decode=tp4"], "qwen3": ["prefill=tp2", "decode=tp1"],
+                  "qwen3_moe": ["prefill=pp2", "decode=tp2"]}
+
+
+@pytest.mark.parametrize("family", list(RANDOM_LAYOUTS))
 def test_pd_random_checkpoints_equal_one_process(tmp_path, family):
     folder = write_random_checkpoint(tmp_path, family=family, layers=4, hidden=128, heads=8, kv_heads=4,
-                                     head_dim=32, intermediate=256, vocab=256, seed=1, init_std=0.3)
+                                     head_dim=32, intermediate=256, vocab=256, seed=1, init_std=0.3,
+                                     moe=MOE if family == "qwen3_moe" else None)
     model = ["model=hf", f"model.path={folder}"]  # the geometry comes from its config.json
     prompts = _prompts(vocab=256, seed=2)
     want = _tokens([*model, *ONE_PROCESS], prompts)
-    layout = {"llama": ["prefill=pp2", "decode=tp4"], "qwen3": ["prefill=tp2", "decode=tp1"]}[family]
-    assert _tokens([*model, *layout], prompts) == want
+    assert _tokens([*model, *RANDOM_LAYOUTS[family]], prompts) == want
+    if family == "qwen3_moe":  # the MoE row also against transformers itself
+        assert want == _hf_greedy(folder, prompts)
+
+
+def _hf_greedy(folder, prompts):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                             do_sample=False, pad_token_id=0)
+        outs.append(seq[0, len(prompt):].tolist())
+    return outs
 
 
 def test_the_page_ignorant_cut_changes_the_outputs(shipped_reference):

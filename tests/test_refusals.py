@@ -72,6 +72,11 @@ CASES = {
     Code.KV_POOL_EMPTY: (["prefill.memory=0.001"], ["prefill.memory=0.1"]),
     # The shipped tiny model's checkpoint (model.path) has a 128-token vocab.
     Code.MODEL_GEOMETRY_MISMATCH: (["model.vocab=256"], ["model.vocab=128"]),
+    # Experts of intermediate width 6 on the default TP4 decode side (no expert parallelism).
+    Code.EXPERT_SPLIT_NOT_DIVISIBLE: (
+        ["model.path=null", "model.experts=4", "model.experts_per_token=2", "model.moe_intermediate=6"],
+        ["model.path=null", "model.experts=4", "model.experts_per_token=2", "model.moe_intermediate=8"],
+    ),
     # The default decode side is TP4 with a drafter: overlap scheduling cannot run there.
     Code.OVERLAP_UNSUPPORTED: (["decode.overlap_scheduling=true"], ["decode.overlap_scheduling=false"]),
 }

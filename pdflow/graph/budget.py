@@ -55,7 +55,8 @@ def _drafter_params(model: ModelSpec, drafter: DrafterSpec, num_taps: int) -> in
 def _stage_weights(
     model: ModelSpec, par: ParallelSpec, drafter: DrafterSpec, stage: StagePlan, num_taps: int
 ) -> int:
-    params = model.params_per_layer() * len(stage.layers)
+    # Every expert of a sparse layer is held by every TP rank, a 1/tp slice of each.
+    params = sum(model.layer_params(layer) for layer in stage.layers)
     embed = model.vocab * model.hidden
     if stage.index == 0:
         params += embed
@@ -69,7 +70,10 @@ def _stage_weights(
 def _activation_bytes(model: ModelSpec, par: ParallelSpec, last: bool) -> int:
     """Peak scratch of one forward: residual stream, attention and MLP intermediates for
     max_num_batched_tokens, plus fp32 logits of the sampled rows on the last stage."""
-    width = 4 * model.hidden + (3 * model.intermediate + 3 * model.heads * model.head_dim) // par.tp
+    mlp = 3 * model.intermediate
+    if model.experts:  # each token's routed copies: gate/up, activation, down per pick
+        mlp = max(mlp, 3 * model.experts_per_token * model.moe_intermediate + model.experts)
+    width = 4 * model.hidden + (mlp + 3 * model.heads * model.head_dim) // par.tp
     act = par.max_num_batched_tokens * width * dtype_bytes(model.dtype)
     logits = par.max_num_seqs * model.vocab * 4 if last else 0
     return act + logits

@@ -185,9 +185,27 @@ def check_model_geometry(spec: RunSpec) -> list[Refusal]:
     ]
 
 
+def check_expert_split(spec: RunSpec) -> list[Refusal]:
+    """TP cuts every expert's intermediate dimension (no expert parallelism): a width that
+    does not split evenly would fail only when a rank builds its layers."""
+    width = spec.model.moe_intermediate
+    if not spec.model.experts:
+        return []
+    return [
+        Refusal(
+            code=Code.EXPERT_SPLIT_NOT_DIVISIBLE,
+            message=f"{role} tp={par.tp} cannot split each expert's intermediate width "
+            f"{width} evenly (model.moe_intermediate).",
+            fix=f"use a {role}.tp that divides {width}.",
+        )
+        for role, par in _sides(spec) if width % par.tp
+    ]
+
+
 def check_spec(spec: RunSpec) -> list[Refusal]:
     return [
         *check_model_geometry(spec),
+        *check_expert_split(spec),
         *check_partitions(spec),
         *check_head_cuts(spec),
         *check_pages(spec),

@@ -182,9 +182,11 @@ def render(graph: RunGraph, console: Console | None = None) -> None:
         console = Console(width=max(140, probe.width)) if not probe.is_terminal else probe
     spec = graph.spec
     d = spec.drafter
+    m = spec.model
+    experts = f", {m.experts} experts top-{m.experts_per_token}" if m.experts else ""
     console.print(
-        f"[bold]{spec.name}[/]: model {spec.model.name} ({spec.model.layers} layers, "
-        f"{spec.model.kv_heads} KV heads, d{spec.model.head_dim}) | prefill tp{spec.prefill.tp} "
+        f"[bold]{spec.name}[/]: model {m.name} ({m.layers} layers, "
+        f"{m.kv_heads} KV heads, d{m.head_dim}{experts}) | prefill tp{spec.prefill.tp} "
         f"pp{spec.prefill.pp} -> decode tp{spec.decode.tp} pp{spec.decode.pp} | drafter {d.kind} | "
         f"transfer {graph.transfer}"
     )

@@ -10,8 +10,9 @@ from typing import Any
 from pdflow.spec.checkpoint import GEOMETRY_KEYS, geometry_mismatches, hf_architecture, hf_geometry
 
 # Architectures whose attention normalises q and k per head before RoPE.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3MoeForCausalLM")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,10 +36,23 @@ class DecoderConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    # Mixture of experts (Qwen3-MoE; 0 experts: every layer dense). See ``is_moe_layer``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Renormalise the top-k routing weights to sum to 1 (Qwen3-MoE: true in released models).
+    norm_topk_prob: bool = False
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads, {self.num_kv_heads} KV heads: not GQA")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """transformers' rule: sparse unless in mlp_only_layers, every decoder_sparse_step-th."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
@@ -69,6 +83,12 @@ class DecoderConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            num_experts=geo["experts"],
+            num_experts_per_tok=geo["experts_per_token"],
+            moe_intermediate_size=geo["moe_intermediate"],
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            mlp_only_layers=list(geo["mlp_only_layers"] or []),
+            decoder_sparse_step=geo["sparse_step"],
         )
 
     @classmethod
@@ -89,6 +109,12 @@ class DecoderConfig:
             intermediate_size=spec.intermediate,
             max_position_embeddings=spec.max_model_len,
             qk_norm=spec.architecture in QK_NORM_ARCHITECTURES,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate,
+            norm_topk_prob=spec.experts > 0,
+            mlp_only_layers=list(spec.mlp_only_layers or []),
+            decoder_sparse_step=spec.sparse_step,
         )
 
     def to_model_spec(self, *, name: str, path: str | None, dtype: str, max_model_len: int):
@@ -100,6 +126,10 @@ class DecoderConfig:
             hidden=self.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=self.intermediate_size, vocab=self.vocab_size,
             dtype=dtype, max_model_len=max_model_len, path=path,
+            experts=self.num_experts, experts_per_token=self.num_experts_per_tok,
+            moe_intermediate=self.moe_intermediate_size,
+            mlp_only_layers=sorted(self.mlp_only_layers) or None,
+            sparse_step=self.decoder_sparse_step,
         )
 
     def geometry(self) -> dict[str, Any]:
@@ -108,7 +138,11 @@ class DecoderConfig:
             "architecture": self.architecture, "layers": self.num_layers,
             "hidden": self.hidden_size, "heads": self.num_heads, "kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "intermediate": self.intermediate_size,
-            "vocab": self.vocab_size,
+            "vocab": self.vocab_size, "experts": self.num_experts,
+            "experts_per_token": self.num_experts_per_tok,
+            "moe_intermediate": self.moe_intermediate_size,
+            "mlp_only_layers": sorted(self.mlp_only_layers) or None,
+            "sparse_step": self.decoder_sparse_step,
         }
         return {k: values[k] for k in GEOMETRY_KEYS}
 

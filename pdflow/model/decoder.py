@@ -1,4 +1,5 @@
-"""GQA decoder for the Llama and Qwen3 families, buildable as a slice of layers (PP).
+"""GQA decoder for the Llama, Qwen3 and Qwen3-MoE families, buildable as a slice of
+layers (PP); a Qwen3-MoE layer's MLP is ``pdflow.model.moe.SparseMoeBlock``.
 
 Parameter names follow HF (``model.layers.<global i>.self_attn...``) except that q/k/v
 and gate/up are stacked (``qkv_proj``, ``gate_up_proj``); the loader maps them.
@@ -22,6 +23,7 @@ from pdflow.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pdflow.model.moe import SparseMoeBlock
 from pdflow.model.rope import RotaryEmbedding
 
 
@@ -93,7 +95,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, rope, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp_rank, tp_size)
+        sparse = cfg.is_moe_layer(layer)
+        self.mlp = SparseMoeBlock(cfg, tp_rank, tp_size) if sparse else MLP(cfg, tp_rank, tp_size)
 
     def forward(self, x, residual, positions, meta, fused: bool = False):
         """``x`` is the last branch's output and ``residual`` the stream before it (None

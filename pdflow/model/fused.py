@@ -1,5 +1,5 @@
 """When the model runs the fused Triton kernels (RMSNorm + residual add, SiLU-and-mul,
-RoPE with qk-norm and the KV write) instead of the torch ops.
+RoPE with qk-norm and the KV write, the MoE experts' grouped GEMMs) instead of the torch ops.
 
 A bf16 decode step of a small model is otherwise thousands of 1-4 us elementwise kernels
 (issue 15's profile). Auto, the default: fused only for CUDA tensors with the triton
@@ -39,11 +39,19 @@ def enabled(setting: bool | None, x: torch.Tensor, backend) -> bool:
     return x.is_cuda and getattr(backend, "name", None) == "triton"
 
 
+def _fused_moe(*args):
+    """``kernels.fused_moe.fused_moe``, imported when an MoE layer first runs fused."""
+    from pdflow.kernels.fused_moe import fused_moe
+
+    return fused_moe(*args)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FusedOps:
     rms_norm: Callable
     silu_and_mul: Callable
     qk_rope_: Callable
+    fused_moe: Callable = _fused_moe
 
 
 @functools.cache

@@ -35,8 +35,11 @@ def write_random_checkpoint(
     kv_heads: int = 2, head_dim: int = 16, intermediate: int = 128, vocab: int = 200,
     seed: int = 0, init_std: float = 0.02, tie_word_embeddings: bool = False,
     rope_scaling: dict | None = None, max_shard_size: str | None = None, tokenizer: bool = True,
+    moe: dict | None = None,
 ) -> Path:
-    """A randomly initialised Llama or Qwen3 saved with ``save_pretrained`` (fp32)."""
+    """A randomly initialised Llama, Qwen3 or Qwen3-MoE saved with ``save_pretrained``
+    (fp32). ``moe``: Qwen3MoeConfig fields (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step)."""
     import torch
     import transformers
 
@@ -52,8 +55,11 @@ def write_random_checkpoint(
     elif family == "qwen3":
         cfg = transformers.Qwen3Config(**common, rope_scaling=rope_scaling)
         cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, rope_scaling=rope_scaling, **(moe or {}))
+        cls = transformers.Qwen3MoeForCausalLM
     else:
-        raise ValueError(f"family {family!r}: llama or qwen3")
+        raise ValueError(f"family {family!r}: llama, qwen3 or qwen3_moe")
     torch.manual_seed(seed)
     model = cls(cfg).float()
     folder.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ or initialise one randomly for benchmarks."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import CausalLM
+from pdflow.model.moe import ExpertWeights
 from pdflow.model.paths import resolve_model_path
 from pdflow.spec import ModelSpec
 
@@ -36,7 +38,16 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+# One expert's tensor in the released Qwen3-MoE layout -> the layer's stacked parameter.
+EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
 def _target(name: str) -> tuple[str, object]:
+    expert = EXPERT.match(name)
+    if expert:
+        prefix, index, kind = expert.groups()
+        stacked = "down_proj" if kind == "down" else "gate_up_proj"
+        return f"{prefix}.{stacked}", (kind, int(index))
     for hf, (ours, shard) in STACKED.items():
         if hf in name:
             return name.replace(hf, ours), shard
@@ -66,6 +77,9 @@ def load_weights(model: CausalLM, folder: Path) -> None:
                     loader(param, f.get_tensor(name), shard)
                     unset.discard(pname)
     # A stacked parameter is set once all its pieces came; the check above is per name.
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertWeights) and module.missing():
+            unset.add(f"{name} pieces {module.missing()[:4]}")
     if unset:
         raise ValueError(f"checkpoint {folder} left parameters unset: {sorted(unset)[:8]}")
 

@@ -21,12 +21,14 @@ ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # ModelSpec fields that must equal the checkpoint's: the graph places heads and sizes
 # KV units from them, so a wrong one serves a model that is not there.
 GEOMETRY_KEYS = ("architecture", "layers", "hidden", "heads", "kv_heads", "head_dim",
-                 "intermediate", "vocab")
+                 "intermediate", "vocab", "experts", "experts_per_token", "moe_intermediate",
+                 "mlp_only_layers", "sparse_step")
 # Further fields a ``model=hf`` config takes from the checkpoint; a declared value may
 # differ on purpose (compute in bf16, serve a shorter context), so they are not checked.
 DEFAULTED_KEYS = ("dtype", "max_model_len")
@@ -84,8 +86,25 @@ def hf_geometry(raw: dict[str, Any]) -> dict[str, Any]:
         "head_dim": raw.get("head_dim") or raw["hidden_size"] // heads,
         "intermediate": raw["intermediate_size"],
         "vocab": raw["vocab_size"],
+        **moe_geometry(raw),
         "dtype": ALIASES.get(dtype, dtype),
         "max_model_len": raw.get("max_position_embeddings", 4096),
+    }
+
+
+def moe_geometry(raw: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a HF config (Qwen3-MoE names; transformers 5 writes
+    ``num_local_experts`` where released checkpoints say ``num_experts``); zeros: dense."""
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if not experts:
+        return {"experts": 0, "experts_per_token": 0, "moe_intermediate": 0,
+                "mlp_only_layers": None, "sparse_step": 1}
+    return {
+        "experts": experts,
+        "experts_per_token": raw["num_experts_per_tok"],
+        "moe_intermediate": raw["moe_intermediate_size"],
+        "mlp_only_layers": sorted(raw.get("mlp_only_layers") or []) or None,
+        "sparse_step": raw.get("decoder_sparse_step") or 1,
     }
 
 
@@ -94,6 +113,11 @@ def checkpoint_field(key: str, *, _parent_) -> Any:
     of the checkpoint at the config's ``path`` (``name``: the folder's name)."""
     path = None if _parent_._get_node("path")._is_missing() else _parent_.path
     revision = _parent_.get("revision")
+    if not path and key == "mlp_only_layers":
+        # A list field is resolved once when hf.yaml merges into the schema, before the
+        # command line's path lands; the interpolation stays and resolves again later.
+        # The other fields still refuse a missing path.
+        return None
     if not path:
         raise ValueError(f"model.{key} comes from the checkpoint: give model.path=<HF checkpoint "
                          f"folder (with config.json) or hub id>, or set model.{key}")
@@ -106,4 +130,11 @@ def geometry_mismatches(model, geometry: dict[str, Any]) -> list[tuple[str, Any,
     """(key, declared, checkpoint) for every GEOMETRY_KEYS field of ``model`` (a
     ModelSpec) that disagrees with the checkpoint's ``geometry``."""
     return [(k, getattr(model, k), geometry[k]) for k in GEOMETRY_KEYS
-            if getattr(model, k) != geometry[k]]
+            if _plain(getattr(model, k)) != _plain(geometry[k])]
+
+
+def _plain(value: Any) -> Any:
+    """A list field compared as a sorted list, empty as None (an OmegaConf ListConfig too)."""
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return sorted(value) or None

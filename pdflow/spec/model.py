@@ -39,6 +39,14 @@ class ModelSpec:
     indexer_layers: list[int] | None = None
     indexer_key_dim: int = 0
     indexer_dtype: str = "fp8_e4m3"
+    # Mixture of experts (Qwen3-MoE; 0 experts: dense). A layer is sparse unless listed in
+    # ``mlp_only_layers`` and when (layer + 1) % ``sparse_step`` == 0, as transformers builds it;
+    # ``intermediate`` stays the dense layers' width, ``moe_intermediate`` one expert's.
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    mlp_only_layers: list[int] | None = None
+    sparse_step: int = 1
 
     def __post_init__(self) -> None:
         for field_name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
@@ -63,6 +71,15 @@ class ModelSpec:
             if self.indexer_key_dim <= 0:
                 raise ValueError("model.indexer_key_dim must be positive when indexer_layers is set")
 
+        if self.experts:
+            if not 0 < self.experts_per_token <= self.experts or self.moe_intermediate <= 0:
+                raise ValueError(
+                    f"model.experts={self.experts} needs 0 < experts_per_token "
+                    f"({self.experts_per_token}) <= experts and moe_intermediate > 0 "
+                    f"({self.moe_intermediate})")
+            if self.sparse_step <= 0:
+                raise ValueError(f"model.sparse_step must be positive, got {self.sparse_step}")
+
     @property
     def stored_weight_dtype(self) -> str:
         return self.dtype if self.weight_dtype == "auto" else self.weight_dtype
@@ -73,7 +90,23 @@ class ModelSpec:
         mlp = 3 * self.hidden * self.intermediate
         return attn + mlp + 2 * self.hidden
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global ``layer`` holds experts (transformers' Qwen3-MoE rule)."""
+        return (self.experts > 0 and layer not in (self.mlp_only_layers or ())
+                and (layer + 1) % self.sparse_step == 0)
+
+    def moe_params_per_layer(self) -> int:
+        """Attention, the router and every expert's SwiGLU (all held: no expert parallelism)."""
+        dense = self.dense_params_per_layer() - 3 * self.hidden * self.intermediate
+        return dense + self.experts * self.hidden + self.experts * 3 * self.hidden * self.moe_intermediate
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of global ``layer``: dense or sparse by the geometry, or the
+        ``param_count`` estimate spread evenly when one is given."""
+        if self.param_count is not None:
+            return max(0, self.param_count - 2 * self.vocab * self.hidden) // self.layers
+        return self.moe_params_per_layer() if self.is_moe_layer(layer) else self.dense_params_per_layer()
+
     def params_per_layer(self) -> int:
-        if self.param_count is None:
-            return self.dense_params_per_layer()
-        return max(0, self.param_count - 2 * self.vocab * self.hidden) // self.layers
+        """The mean over layers (the per-layer figure of the budget's stage sums)."""
+        return sum(self.layer_params(i) for i in range(self.layers)) // self.layers
