@@ -6,9 +6,9 @@ import asyncio
 import math
 from pathlib import Path
 
-from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
 from pdflow.bench.workloads.client import Target, drive
+from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
 from pdflow.bench.workloads.stats import latency_metrics
 from pdflow.bench.workloads.tasks import ArithWorkload, NeedleWorkload

@@ -1,0 +1,189 @@
+"""``pdflow profile``: measure this machine once, for ``pdflow plan --estimate``.
+
+What the estimate needs and nothing else: the GEMM rate (all threads, and one thread,
+since a CPU rank gets ``cores // world`` threads), memory bandwidth, host copy bandwidth
+(device -> pinned host on a GPU), a transfer's bandwidth and latency per backend, the
+latency of one owner <-> rank message, and the per-step host overhead of the real engine
+(a one-rank tiny-model decode step, less its compute). Saved as JSON; a profile says
+which device and host it measured, and the estimate refuses to mix devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_PATH = Path("~/.cache/pdflow/profile.json")
+PROFILE_ENV = "PDFLOW_PROFILE"
+
+
+@dataclass(kw_only=True, slots=True)
+class MachineProfile:
+    """Rates in per-second units; latencies in seconds."""
+
+    device: str
+    host: str
+    cores: int
+    gemm_flops_s: float
+    gemm_flops_s_one_thread: float
+    mem_bytes_s: float
+    host_copy_bytes_s: float
+    # backend (mooncake, nccl, cuda_ipc, gloo) -> bytes/s and one small message's latency.
+    transfer_bytes_s: dict[str, float] = field(default_factory=dict)
+    transfer_latency_s: dict[str, float] = field(default_factory=dict)
+    rank_message_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> MachineProfile:
+        return cls(**json.loads(path.read_text()))
+
+    def rank_flops_s(self, threads: int) -> float:
+        """A CPU rank with ``threads`` threads: linear in threads up to the whole machine."""
+        if self.device != "cpu":
+            return self.gemm_flops_s
+        return min(self.gemm_flops_s, max(1, threads) * self.gemm_flops_s_one_thread)
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(PROFILE_ENV) or DEFAULT_PATH).expanduser()
+
+
+def _timed(fn, *, min_s: float = 0.3, sync=lambda: None) -> float:
+    """Seconds per call, averaged over at least ``min_s`` after one warm-up call."""
+    fn()
+    sync()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_s or calls < 3:
+        fn()
+        calls += 1
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def _gemm(torch, device: str, n: int, sync) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2.0 * n ** 3 / _timed(lambda: a @ b, sync=sync)
+
+
+def _tcp(size: int) -> tuple[float, float]:
+    """Loopback TCP: bytes/s of a ``size`` send, and one 64-byte round trip."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(1 << 20):
+                if len(data) == 64:
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ping = b"x" * 64
+    latency = _timed(lambda: (client.sendall(ping), client.recv(64)), min_s=0.2)
+    blob = b"y" * size
+    rate = size / _timed(lambda: client.sendall(blob), min_s=0.3)
+    client.close()
+    thread.join(timeout=5)
+    server.close()
+    return rate, latency
+
+
+def _pipe_round_trip() -> float:
+    """A 2 KiB message to a child process and back: an owner <-> rank step's floor."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if platform.system() == "Linux" else "spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_echo_pipe, args=(there,), daemon=True)
+    child.start()
+    msg = b"z" * 2048
+    took = _timed(lambda: (here.send_bytes(msg), here.recv_bytes()), min_s=0.2)
+    here.send_bytes(b"")
+    child.join(timeout=5)
+    return took
+
+
+def _echo_pipe(conn) -> None:
+    while msg := conn.recv_bytes():
+        conn.send_bytes(msg)
+
+
+def _step_overhead(device: str, gemm: float, mem: float) -> float:
+    """One-rank tiny-model decode steps through the real engine, less their compute."""
+    from pdflow.engine.llm import LLM
+    from pdflow.engine.sampling_params import SamplingParams
+    from pdflow.spec import ParallelSpec
+    from pdflow.spec.load import compose_spec
+
+    model = compose_spec(["model=tiny"]).model
+    steps = 48
+    with LLM("pdflow:assets/tiny", ParallelSpec(device=device, num_kv_blocks=64, block_size=16)) as llm:
+        greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        start = time.perf_counter()
+        llm.generate([[5, 6, 7, 8]], greedy)
+        step = (time.perf_counter() - start) / (steps + 1)
+    params = model.layers * model.params_per_layer() + model.vocab * model.hidden
+    compute = max(2.0 * params / gemm, 4 * params / mem)
+    return max(0.0, step - compute)
+
+
+def measure(device: str = "cpu") -> MachineProfile:
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    threads = torch.get_num_threads()
+    gemm = _gemm(torch, device, 1024 if device == "cpu" else 8192, sync)
+    torch.set_num_threads(1)
+    try:
+        gemm_one = _gemm(torch, "cpu", 512, sync) if device == "cpu" else gemm
+    finally:
+        torch.set_num_threads(threads)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    out = torch.empty_like(big)
+    mem = 2 * big.numel() / _timed(lambda: out.copy_(big), sync=sync)
+    host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=device != "cpu")
+    host_copy = big.numel() / _timed(lambda: host.copy_(big, non_blocking=False), sync=sync)
+    tcp_rate, tcp_latency = _tcp(16 << 20)
+    rates = {"mooncake": tcp_rate, "gloo": tcp_rate}
+    latencies = {"mooncake": tcp_latency, "gloo": tcp_latency}
+    if device.startswith("cuda"):
+        for name in ("nccl", "cuda_ipc"):  # one host: device-to-device copies
+            rates[name], latencies[name] = mem / 2, 20e-6
+    return MachineProfile(
+        device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=os.cpu_count() or 1,
+        gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
+        transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
+        step_overhead_s=_step_overhead(device, gemm, mem),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdflow profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU 0)")
+    parser.add_argument("--out", default=None, help=f"where to save it (default: ${PROFILE_ENV}, else {DEFAULT_PATH})")
+    args = parser.parse_args(argv)
+    profile = measure(args.device)
+    path = profile.save(Path(args.out).expanduser() if args.out else default_path())
+    for key, value in asdict(profile).items():
+        print(f"{key:26} {value}")
+    print(f"\nsaved: {path}")
+    return 0
