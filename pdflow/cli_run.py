@@ -71,6 +71,8 @@ def print_results(name: str, metrics: dict[str, float]) -> None:
 
 
 def run_job(cfg: DictConfig) -> dict[str, float]:
+    """The run's metrics; a run the estimate pruned (SLOs out of reach) launches nothing
+    and returns ``{goodput_per_device: 0}``."""
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
     from pdflow.serve.launch import serve_spec
     from pdflow.tracking.plots import results_figure
@@ -91,12 +93,19 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         if refusals:
             tracked.set_tag("pdflow.refusals", ",".join(sorted({r.code.name for r in refusals})))
             raise GraphRefused(refusals)
+        from pdflow.tracking.estimate_log import OBJECTIVE, measured_extras, plan_run
+
+        planned = plan_run(tracked, graph)
+        if planned.pruned is not None:
+            print(f"pdflow run: pruned before launch: {planned.pruned}", file=sys.stderr)
+            return {OBJECTIVE: 0.0}
         workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
         with serve_spec(spec, port=0) as served:
             target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
             result = run_workloads_sync(target, prepared, spec.workload)
             metrics = result.metrics | server_gauges(served.url, served.api_key)
+        metrics |= measured_extras(planned, metrics)
         tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
         print_results(spec.name, metrics)
         tracked.log_metrics(metrics)
@@ -115,8 +124,11 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-def _run(cfg: DictConfig) -> None:
-    run_job(cfg)
+def _run(cfg: DictConfig) -> float:
+    """The job's return is what a search (Hydra's Optuna sweeper) maximizes."""
+    from pdflow.tracking.estimate_log import OBJECTIVE
+
+    return float(run_job(cfg).get(OBJECTIVE, 0.0))
 
 
 def main() -> None:

@@ -124,6 +124,5 @@ def test_goodput_converges_to_the_stub_servers_capacity(stub_server):
     requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(30)]
     found = asyncio.run(goodput_of(Target(url=stub_server, model="stub"), requests, spec))
     capacity = 1 / SERVICE_S
-    print(found.goodput, found.probes)
     assert 0.7 * capacity <= found.goodput <= 1.3 * capacity, found.probes
     assert any(p.attainment < slo.attainment for p in found.probes)  # it saw the knee
