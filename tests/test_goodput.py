@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from pdflow.bench.workloads.goodput import at_rate, attainment, meets, search
 from pdflow.bench.workloads import Target
 from pdflow.bench.workloads.base import RequestResult, WorkRequest
+from pdflow.bench.workloads.goodput import at_rate, attainment, meets, search
 from pdflow.bench.workloads.runner import goodput_of
 from pdflow.spec import SloSpec, WorkloadSpec
 

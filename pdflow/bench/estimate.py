@@ -119,15 +119,18 @@ class Pricer:
         """One step's latency: every stage in turn."""
         return self.overhead_s() + sum(self.stage_times(tokens, context, rows))
 
-    def prefill(self, length: int) -> tuple[float, float]:
-        """(seconds for one prompt alone, tokens/s with the pipeline full of chunks)."""
+    def prefill(self, length: int, concurrent: int = 1) -> tuple[float, float]:
+        """(seconds for one prompt alone, tokens/s with ``concurrent`` prompts batched
+        up to ``max_num_batched_tokens`` a step and the pipeline full of steps)."""
         chunk = min(length, self.par.max_num_batched_tokens)
         chunks = math.ceil(length / chunk)
         alone = sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
+        tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
+        rows = max(1, tokens // length)
         depth = min(self.par.steps_in_flight, self.graph.instance(self.role).pp)
-        busiest = max(self.stage_times(chunk, chunk // 2 + 1, 1))
-        per_step = max(self.step_s(chunk, chunk // 2 + 1, 1) / depth, busiest)
-        return alone, chunk / per_step
+        busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
+        per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest)
+        return alone, tokens / per_step
 
 
 def transfer_s(graph: RunGraph, profile: MachineProfile, length: int) -> float:
