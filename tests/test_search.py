@@ -64,3 +64,22 @@ def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_pa
     assert client.get_run(parent.info.run_id).data.tags["pdflow.sweep.children"] == "3"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"pareto.png", "comparison.md"} <= artifacts
+
+
+def test_a_run_logs_the_estimate_beside_what_it_measured(tmp_path):
+    from pdflow.graph import build_graph
+    from pdflow.spec.load import compose_spec
+    from pdflow.tracking.estimate_log import measured_extras, plan_run
+    from pdflow.tracking.run_logger import TrackedRun
+
+    profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
+                             mem_bytes_s=1e10, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9},
+                             transfer_latency_s={"mooncake": 1e-4}, step_overhead_s=0.01).save(tmp_path / "p.json")
+    graph = build_graph(compose_spec(["workload=serve", "workload.slo.ttft_s=60", "prefill=tp2", "decode=tp2",
+                                      "drafter=none"]))
+    planned = plan_run(TrackedRun(None, run_name="x"), graph, profile)
+    assert planned.pruned is None and planned.devices == 4 and planned.estimate.goodput_req_s > 0
+    extras = measured_extras(planned, {"goodput_req_s": 2.0, "output_throughput_tok_s": 40.0, "ttft_p50_s": 0.5})
+    assert extras["goodput_per_device"] == 0.5 and extras["output_tok_s_per_device"] == 10.0
+    assert extras["goodput_est_over_measured"] == pytest.approx(planned.estimate.goodput_req_s / 2.0)
+    assert extras["ttft_est_over_measured"] == pytest.approx(planned.estimate.ttft_s[planned.estimate.input_len] / 0.5)

@@ -48,6 +48,7 @@ class Estimate:
     goodput_req_s: float = 0.0
     goodput_per_device: float = 0.0
     decode_batch: int = 0
+    input_len: int = 0  # the workload's mean prompt, which est_ttft_s/est_prefill_tok_s price
     limits: list[str] = field(default_factory=list)  # why goodput is what it is (0: why none)
 
     def to_dict(self) -> dict:
@@ -58,6 +59,8 @@ class Estimate:
         out = {f"est_{role}_pool_blocks": float(n) for role, n in self.pool_blocks.items()}
         out |= {"est_goodput_req_s": self.goodput_req_s, "est_goodput_per_device": self.goodput_per_device,
                 "est_decode_batch": float(self.decode_batch)}
+        if self.input_len in self.ttft_s:
+            out |= {"est_ttft_s": self.ttft_s[self.input_len], "est_prefill_tok_s": self.prefill_tok_s[self.input_len]}
         return out
 
 
@@ -207,6 +210,7 @@ def estimate(graph: RunGraph, profile: MachineProfile, *, slo: SloSpec | None = 
         pool_blocks={role: b.pool_blocks for role, b in graph.budgets.items()},
         prefill_tok_s=rate, ttft_s=ttft, decode_step_s=step,
         decode_tok_s={b: b * tpf / s for b, s in step.items()}, transfer_s=moved if graph.producer else {},
+        input_len=input_len,
     )
     _goodput(out, graph, decode, prefill, slo or SloSpec(), input_len, output_len, k, tpf)
     return out

@@ -127,20 +127,24 @@ def _echo_pipe(conn) -> None:
 
 
 def _step_overhead(device: str, gemm: float, mem: float) -> float:
-    """One-rank tiny-model decode steps through the real engine, less their compute."""
+    """One-rank tiny-model decode steps through the real engine, less their compute: the
+    difference of a long and a short generation, so prefill and per-request costs cancel."""
     from pdflow.engine.llm import LLM
     from pdflow.engine.sampling_params import SamplingParams
     from pdflow.spec import ParallelSpec
     from pdflow.spec.load import compose_spec
 
     model = compose_spec(["model=tiny"]).model
-    steps = 48
-    with LLM("pdflow:assets/tiny", ParallelSpec(device=device, num_kv_blocks=64, block_size=16)) as llm:
-        greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    steps = 32
+
+    def generate(llm, tokens: int) -> float:
         start = time.perf_counter()
-        llm.generate([[5, 6, 7, 8]], greedy)
-        step = (time.perf_counter() - start) / (steps + 1)
+        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - start
+
+    with LLM("pdflow:assets/tiny", ParallelSpec(device=device, num_kv_blocks=64, block_size=128)) as llm:
+        generate(llm, 4)  # warm-up: first-use compiles and allocations
+        step = (generate(llm, 2 + steps) - generate(llm, 2)) / steps
     params = model.layers * model.params_per_layer() + model.vocab * model.hidden
     compute = max(2.0 * params / gemm, 4 * params / mem)
     return max(0.0, step - compute)

@@ -24,7 +24,7 @@ from pdflow.tracking.tags import CHOICE
 DEFAULT_METRICS = (
     "devices", "prefill_pool_blocks", "decode_pool_blocks", "prompt_throughput_tok_s", "ttft_p50_s",
     "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_throughput_tok_s", "output_tok_s_per_device",
-    "goodput_req_s", "goodput_per_device", "est_goodput_req_s", "goodput_est_over_measured",
+    "goodput_req_s", "goodput_per_device", "est_goodput_req_s", "goodput_est_over_measured", "ttft_est_over_measured",
     "draft_acceptance_rate", "tokens_per_forward", "arith_strict", "arith_flexible", "needle_accuracy",
 )
 

@@ -63,4 +63,6 @@ def measured_extras(planned: PlannedRun, metrics: dict[str, float]) -> dict[str,
     est = planned.estimate
     if est is not None and metrics.get("goodput_req_s"):
         out["goodput_est_over_measured"] = est.goodput_req_s / metrics["goodput_req_s"]
+    if est is not None and metrics.get("ttft_p50_s") and est.input_len in est.ttft_s:
+        out["ttft_est_over_measured"] = est.ttft_s[est.input_len] / metrics["ttft_p50_s"]
     return out
