@@ -287,8 +287,9 @@ def hydra_command(module: str, name: str) -> Callable[[list[str]], int]:
 
 def profile_command(args: list[str]) -> int:
     from pdflow.bench.profile import main as profile_main
+    from pdflow.serve.step_probe import served_step_s
 
-    return profile_main(args)
+    return profile_main(args, step_probe=served_step_s)
 
 
 def compare_command(args: list[str]) -> int:

@@ -54,7 +54,17 @@ def test_search_brackets_a_known_threshold_by_ramp_then_bisection():
     found = asyncio.run(search(measure, slo))
     assert [p.rate for p in found.probes[:5]] == [1.0, 2.0, 4.0, 8.0, 16.0]  # the ramp
     assert 13.0 * 0.95 <= found.goodput <= 13.0
-    assert found.metrics()["goodput_req_s"] == found.goodput
+    assert found.metrics()["goodput_req_s"] == found.goodput and found.bracketed
+
+
+def test_search_says_when_goodput_is_only_a_lower_bound():
+    async def measure(rate: float) -> float:
+        return 1.0
+
+    capped = asyncio.run(search(measure, SloSpec(ttft_s=1.0, start_rate=1.0, max_rate=4.0)))
+    assert capped.goodput == 4.0 and not capped.bracketed
+    short = asyncio.run(search(measure, SloSpec(ttft_s=1.0, start_rate=1.0, max_rate=64.0, max_probes=3)))
+    assert short.goodput == 4.0 and not short.bracketed
 
 
 def test_search_reports_zero_when_the_first_rate_misses():

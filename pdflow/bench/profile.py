@@ -4,7 +4,7 @@ What the estimate needs and nothing else: the GEMM rate (all threads, and one th
 since a CPU rank gets ``cores // world`` threads), memory bandwidth, host copy bandwidth
 (device -> pinned host on a GPU), a transfer's bandwidth and latency per backend, the
 latency of one owner <-> rank message, and the per-step host overhead of the real engine
-(a one-rank tiny-model decode step, less its compute). Saved as JSON; a profile says
+(a served one-rank tiny-model decode step, less its compute). Saved as JSON; a profile says
 which device and host it measured, and the estimate refuses to mix devices.
 """
 
@@ -126,31 +126,19 @@ def _echo_pipe(conn) -> None:
         conn.send_bytes(msg)
 
 
-def _step_overhead(device: str, gemm: float, mem: float) -> float:
-    """One-rank tiny-model decode steps through the real engine, less their compute: the
-    difference of a long and a short generation, so prefill and per-request costs cancel."""
-    from pdflow.engine.llm import LLM
-    from pdflow.engine.sampling_params import SamplingParams
-    from pdflow.spec import ParallelSpec
+def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
+    """A served tiny-model decode step (batch 1) less its compute."""
     from pdflow.spec.load import compose_spec
 
     model = compose_spec(["model=tiny"]).model
-    steps = 32
-
-    def generate(llm, tokens: int) -> float:
-        start = time.perf_counter()
-        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        return time.perf_counter() - start
-
-    with LLM("pdflow:assets/tiny", ParallelSpec(device=device, num_kv_blocks=64, block_size=128)) as llm:
-        generate(llm, 4)  # warm-up: first-use compiles and allocations
-        step = (generate(llm, 2 + steps) - generate(llm, 2)) / steps
     params = model.layers * model.params_per_layer() + model.vocab * model.hidden
     compute = max(2.0 * params / gemm, 4 * params / mem)
-    return max(0.0, step - compute)
+    return max(0.0, step_s - compute)
 
 
-def measure(device: str = "cpu") -> MachineProfile:
+def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
+    """``step_probe(device)``: seconds of one served decode step (``pdflow.serve.step_probe``,
+    which the command passes in: serving sits above this package)."""
     import torch
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -176,16 +164,16 @@ def measure(device: str = "cpu") -> MachineProfile:
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=os.cpu_count() or 1,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
         transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
-        step_overhead_s=_step_overhead(device, gemm, mem),
+        step_overhead_s=_step_overhead(step_probe(device), gemm, mem) if step_probe else 0.0,
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, step_probe=None) -> int:
     parser = argparse.ArgumentParser(prog="pdflow profile", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU 0)")
     parser.add_argument("--out", default=None, help=f"where to save it (default: ${PROFILE_ENV}, else {DEFAULT_PATH})")
     args = parser.parse_args(argv)
-    profile = measure(args.device)
+    profile = measure(args.device, step_probe)
     path = profile.save(Path(args.out).expanduser() if args.out else default_path())
     for key, value in asdict(profile).items():
         print(f"{key:26} {value}")

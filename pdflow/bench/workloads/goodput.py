@@ -29,10 +29,14 @@ class Probe:
 class GoodputResult:
     goodput: float
     probes: list[Probe] = field(default_factory=list)
+    # False: no rate tried missed the target (max_rate held, or the probes ran out on
+    # the ramp), so goodput is a lower bound.
+    bracketed: bool = True
 
     def metrics(self) -> dict[str, float]:
         """``goodput_req_s`` and the attainment at each rate tried."""
-        out = {"goodput_req_s": self.goodput, "goodput_probes": float(len(self.probes))}
+        out = {"goodput_req_s": self.goodput, "goodput_probes": float(len(self.probes)),
+               "goodput_bracketed": float(self.bracketed)}
         out |= {f"slo_attainment/rate_{p.rate:.4g}": p.attainment for p in self.probes}
         return out
 
@@ -91,7 +95,7 @@ async def search(measure: Callable[[float], Awaitable[float]], slo: SloSpec) -> 
             break
         lo = rate
         if rate >= slo.max_rate:
-            return GoodputResult(goodput=lo, probes=probes)
+            return GoodputResult(goodput=lo, probes=probes, bracketed=False)
         rate = min(rate * 2, slo.max_rate)
     while hi is not None and len(probes) < slo.max_probes and hi - lo > slo.rel_tol * hi:
         mid = (lo + hi) / 2 if lo == 0 else (lo * hi) ** 0.5
@@ -99,7 +103,7 @@ async def search(measure: Callable[[float], Awaitable[float]], slo: SloSpec) -> 
             lo = mid
         else:
             hi = mid
-    return GoodputResult(goodput=lo, probes=probes)
+    return GoodputResult(goodput=lo, probes=probes, bracketed=hi is not None)
 
 
 def make_probe(send: Callable[[list[WorkRequest]], Awaitable[list[RequestResult]]],
