@@ -76,12 +76,10 @@ def pick_metrics(runs, wanted: list[str] | None) -> list[str]:
 def table(runs, by: list[str], metrics: list[str]) -> tuple[list[str], list[list[str]]]:
     header = [*(by or ["run"]), "status", *metrics]
     rows = []
-    best, _ = best_run(runs)
     for r in runs:
         labels = _labels(r, by)
         values = [_fmt(r.data.metrics.get(m)) for m in metrics]
-        status = "PRUNED" if PRUNED_TAG in r.data.tags else r.info.status
-        rows.append([*labels, status + (" (best)" if r is best else ""), *values])
+        rows.append([*labels, "PRUNED" if PRUNED_TAG in r.data.tags else r.info.status, *values])
     return header, rows
 
 
@@ -161,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = pick_metrics(runs, args.metrics.split(",") if args.metrics else None)
     print(f"{title}: {len(runs)} runs\n")
     print(markdown(*table(runs, by, metrics)), end="")
+    best, metric = best_run(runs)
+    if best is not None:
+        print(f"\nbest: {' '.join(_labels(best, by))} ({metric} {_fmt(best.data.metrics[metric])})")
     if args.plot and runs:
         print(f"\nplot: {plot(runs, by, metrics, Path(args.plot)).resolve()}")
     if args.pareto and runs:
