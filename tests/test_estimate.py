@@ -59,6 +59,17 @@ def test_pipeline_stages_add_up_and_hop():
     assert pricer.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 1e-4 + sum(per_stage) / 1e9)
 
 
+def test_measured_collectives_and_rank_step_work_price_a_multi_process_side():
+    prof = _profile(cores=2, allreduce_s=5e-4, hop_s=3e-4, rank_step_overhead_s=2e-3)
+    tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=prof, role=CONSUMER)
+    flops = (2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8) / 2 + 2 * 4 * 128 * 256
+    all_reduce = 2 * 8 * (5e-4 + 4 * 256 * 4 / 1e9)
+    assert tp2.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 2e-3 + flops / 1e9 + all_reduce)
+    pp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp1", "decode.pp=2"), profile=prof, role=CONSUMER)
+    flops = 2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8 + 2 * 4 * 128 * 256
+    assert pp2.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 2 * 2e-3 + 3e-4 + flops / 1e9)
+
+
 def test_transfer_time_is_the_busiest_producer_ranks_bytes():
     graph = _graph("prefill=tp1", "decode=tp1")
     # one producer rank writes every layer's K and V: 8 * 2 * 4 heads * 64 * 128 tokens * 4 bytes

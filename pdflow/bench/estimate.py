@@ -4,8 +4,9 @@ The graph says what each stage holds (its layers, its TP degree, each side's poo
 block size, the bytes every producer rank writes per block); the profile says what this
 machine does per second. A stage's step is the larger of its FLOPs at the rank's GEMM
 rate and its bytes (weights, live KV) at the memory bandwidth, plus two all-reduces per
-layer under TP; a step adds the pipeline hops, one owner <-> rank message when the side
-has rank processes, and the engine's per-step host overhead. Nothing here places or
+layer under TP; a step adds the pipeline hops, the engine's per-step host overhead and,
+when the side has rank processes, one owner <-> rank message and each stage's measured
+per-step rank work. Nothing here places or
 lays out anything: every shape is asked of the graph.
 
 Goodput: a request of mean prompt ``L`` and output ``O`` needs its TTFT at zero load
@@ -100,8 +101,15 @@ class Pricer:
         compute = max(flops / prof.rank_flops_s(threads), (weight_bytes + kv_bytes) / prof.mem_bytes_s)
         if inst.tp > 1:
             act = tokens * m.hidden * dtype_bytes(m.dtype)
-            compute += 2 * layers * (self._link_latency() + act / self._link_rate())
+            compute += 2 * layers * (self._all_reduce_s() + act / self._link_rate())
         return compute
+
+    def _all_reduce_s(self) -> float:
+        """The profile's measured all-reduce; older profiles: the link's latency."""
+        return self.profile.allreduce_s or self._link_latency()
+
+    def _hop_s(self) -> float:
+        return self.profile.hop_s or self._link_latency()
 
     def _link_latency(self) -> float:
         return self.profile.transfer_latency_s.get("nccl" if self.profile.device == "cuda" else "gloo", 0.0)
@@ -114,9 +122,11 @@ class Pricer:
 
     def overhead_s(self) -> float:
         inst = self.graph.instance(self.role)
-        hops = (inst.pp - 1) * self._link_latency()
-        message = self.profile.rank_message_s if inst.tp * inst.pp > 1 else 0.0
-        return self.profile.step_overhead_s + message + hops
+        hops = (inst.pp - 1) * self._hop_s()
+        ranks = 0.0
+        if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
+            ranks = self.profile.rank_message_s + inst.pp * self.profile.rank_step_overhead_s
+        return self.profile.step_overhead_s + ranks + hops
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
         """One step's latency: every stage in turn."""

@@ -40,6 +40,13 @@ class MachineProfile:
     transfer_latency_s: dict[str, float] = field(default_factory=dict)
     rank_message_s: float = 0.0
     step_overhead_s: float = 0.0
+    # Between two rank processes of this host (gloo on cpu, nccl on cuda): one all-reduce
+    # of a small activation (TP, twice a layer) and one send/recv hop (a PP stage boundary).
+    allreduce_s: float = 0.0
+    hop_s: float = 0.0
+    # What a step of a side with rank processes costs per stage beyond compute, its
+    # collectives and the owner's overhead (served TP2 step vs TP1; 0 where not measured).
+    rank_step_overhead_s: float = 0.0
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +128,53 @@ def _pipe_round_trip() -> float:
     return took
 
 
+def _collectives(device: str) -> tuple[float, float]:
+    """(all-reduce, send/recv hop) seconds between two processes, median of many."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    answer = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_collective_rank, args=(r, f"{tmp}/store", device, answer)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = answer.get(timeout=300)
+        for p in procs:
+            p.join(timeout=60)
+    return got
+
+
+def _collective_rank(rank: int, store: str, device: str, answer) -> None:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    x = torch.ones(4, 1024, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(fn, n=60) -> float:
+        took = []
+        for _ in range(n):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            took.append(time.perf_counter() - start)
+        return statistics.median(took[5:])
+
+    reduce = timed(lambda: dist.all_reduce(x))
+    hop = timed(lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
+    if rank == 0:
+        answer.put((reduce, hop))
+    dist.destroy_process_group()
+
+
 def _echo_pipe(conn) -> None:
     while msg := conn.recv_bytes():
         conn.send_bytes(msg)
@@ -160,11 +214,20 @@ def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
     if device.startswith("cuda"):
         for name in ("nccl", "cuda_ipc"):  # one host: device-to-device copies
             rates[name], latencies[name] = mem / 2, 20e-6
+    allreduce, hop = _collectives(device)
+    served = step_probe(device) if step_probe else 0.0
+    rank_step = 0.0
+    if step_probe and device == "cpu":
+        from pdflow.spec.load import compose_spec
+
+        layers = compose_spec(["model=tiny"]).model.layers
+        rank_step = max(0.0, step_probe(device, 2) - served / 2 - 2 * layers * allreduce)
     return MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=os.cpu_count() or 1,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
         transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
-        step_overhead_s=_step_overhead(step_probe(device), gemm, mem) if step_probe else 0.0,
+        step_overhead_s=_step_overhead(served, gemm, mem) if step_probe else 0.0,
+        allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step,
     )
 
 
