@@ -133,6 +133,11 @@ def _collectives(device: str) -> tuple[float, float]:
     import multiprocessing as mp
     import tempfile
 
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU: nothing to measure
+            return 0.0, 0.0
     ctx = mp.get_context("spawn")
     answer = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
