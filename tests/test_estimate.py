@@ -116,3 +116,16 @@ def test_plan_estimate_prints_the_tables(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "pdflow.cli", "plan", "--estimate", "--profile",
                               str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "pdflow profile" in missing.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_profile_prices_a_gpu_graph():
+    from pdflow.bench.profile import measure
+    from pdflow.serve.step_probe import served_step_s
+
+    prof = measure("cuda", served_step_s)
+    assert prof.device == "cuda" and prof.gemm_flops_s > 1e13 and prof.mem_bytes_s > 1e11
+    graph = _graph("model=qwen3-0.6b", "mode=monolithic", "decode=tp1", "decode.device=cuda", "prefill.device=cuda")
+    est = estimate(graph, prof, input_len=512, output_len=64)
+    assert est.prefill_tok_s[512] > 1e3 and est.decode_tok_s[1] > 10 and est.pool_blocks["decode"] > 0
