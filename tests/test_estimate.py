@@ -44,7 +44,7 @@ def test_one_rank_prefill_and_decode_steps_by_hand():
 
 def test_tensor_parallel_splits_the_flops_and_pays_two_all_reduces_per_layer():
     graph = _graph("mode=monolithic", "decode=tp2")
-    pricer = Pricer(graph=graph, profile=_profile(cores=2), role=CONSUMER)
+    pricer = Pricer(graph=graph, profile=_profile(cores=2, gemm_flops_s=2e9), role=CONSUMER)
     flops = (2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8) / 2 + 2 * 4 * 128 * 256
     all_reduce = 2 * 8 * (1e-4 + 4 * 256 * 4 / 1e9)  # latency + 4 rows of hidden fp32 at gloo's rate
     # one rank's threads: cores // world = 1, so one thread's rate
@@ -53,14 +53,14 @@ def test_tensor_parallel_splits_the_flops_and_pays_two_all_reduces_per_layer():
 
 def test_pipeline_stages_add_up_and_hop():
     graph = _graph("mode=monolithic", "decode=tp1", "decode.pp=2")
-    pricer = Pricer(graph=graph, profile=_profile(cores=2), role=CONSUMER)
+    pricer = Pricer(graph=graph, profile=_profile(cores=2, gemm_flops_s=2e9), role=CONSUMER)
     per_stage = [2 * 4 * MATMUL * 4 + 4 * 8 * 64 * 4 * 100 * 4, 2 * 4 * MATMUL * 4 + 4 * 8 * 64 * 4 * 100 * 4
                  + 2 * 4 * 128 * 256]
     assert pricer.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 1e-4 + sum(per_stage) / 1e9)
 
 
 def test_measured_collectives_and_rank_step_work_price_a_multi_process_side():
-    prof = _profile(cores=2, allreduce_s=5e-4, hop_s=3e-4, rank_step_overhead_s=2e-3)
+    prof = _profile(cores=2, gemm_flops_s=2e9, allreduce_s=5e-4, hop_s=3e-4, rank_step_overhead_s=2e-3)
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=prof, role=CONSUMER)
     flops = (2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8) / 2 + 2 * 4 * 128 * 256
     all_reduce = 2 * 8 * (5e-4 + 4 * 256 * 4 / 1e9)
@@ -68,6 +68,16 @@ def test_measured_collectives_and_rank_step_work_price_a_multi_process_side():
     pp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp1", "decode.pp=2"), profile=prof, role=CONSUMER)
     flops = 2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8 + 2 * 4 * 128 * 256
     assert pp2.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 2 * 2e-3 + 3e-4 + flops / 1e9)
+
+
+def test_cpu_ranks_beyond_the_cores_take_turns():
+    """TP4 on two cores: each rank one thread (half the machine's rate), two ranks per
+    core, so the stage's compute and the ranks' own step work both take twice as long."""
+    prof = _profile(cores=2, gemm_flops_s=2e9, allreduce_s=5e-4, rank_step_overhead_s=2e-3)
+    tp4 = Pricer(graph=_graph("mode=monolithic", "decode=tp4"), profile=prof, role=CONSUMER)
+    flops = (2 * 4 * MATMUL * 8 + 4 * 8 * 64 * 4 * 100 * 8) / 4 + 2 * 4 * 128 * 256
+    all_reduce = 2 * 8 * (5e-4 + 4 * 256 * 4 / 1e9)
+    assert tp4.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 2 * 2e-3 + 2 * flops / 1e9 + all_reduce)
 
 
 def test_transfer_time_is_the_busiest_producer_ranks_bytes():

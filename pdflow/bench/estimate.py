@@ -98,7 +98,9 @@ class Pricer:
             flops += 2.0 * rows * m.vocab * m.hidden
             weight_bytes += m.vocab * m.hidden * dtype_bytes(m.stored_weight_dtype)
         threads = max(1, prof.cores // (inst.tp * inst.pp))
-        compute = max(flops / prof.rank_flops_s(threads), (weight_bytes + kv_bytes) / prof.mem_bytes_s)
+        # CPU ranks beyond the cores take turns: a stage's TP ranks all compute at once.
+        crowd = max(1.0, inst.tp * threads / prof.cores) if prof.device == "cpu" else 1.0
+        compute = crowd * max(flops / prof.rank_flops_s(threads), (weight_bytes + kv_bytes) / prof.mem_bytes_s)
         if inst.tp > 1:
             act = tokens * m.hidden * dtype_bytes(m.dtype)
             compute += 2 * layers * (self._all_reduce_s() + act / self._link_rate())
@@ -125,7 +127,8 @@ class Pricer:
         hops = (inst.pp - 1) * self._hop_s()
         ranks = 0.0
         if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
-            ranks = self.profile.rank_message_s + inst.pp * self.profile.rank_step_overhead_s
+            crowd = max(1.0, inst.tp / self.profile.cores) if self.profile.device == "cpu" else 1.0
+            ranks = self.profile.rank_message_s + inst.pp * crowd * self.profile.rank_step_overhead_s
         return self.profile.step_overhead_s + ranks + hops
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
@@ -140,7 +143,10 @@ class Pricer:
         alone = sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
-        depth = min(self.par.steps_in_flight, self.graph.instance(self.role).pp)
+        inst = self.graph.instance(self.role)
+        depth = min(self.par.steps_in_flight, inst.pp)
+        if self.profile.device == "cpu":  # stages overlap only on spare cores
+            depth = min(depth, max(1, self.profile.cores // inst.tp))
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
         per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest)
         return alone, tokens / per_step

@@ -58,10 +58,12 @@ class MachineProfile:
         return cls(**json.loads(path.read_text()))
 
     def rank_flops_s(self, threads: int) -> float:
-        """A CPU rank with ``threads`` threads: linear in threads up to the whole machine."""
+        """A CPU rank with ``threads`` of the machine's threads gets that share of its
+        measured rate (one thread's rate at most per thread)."""
         if self.device != "cpu":
             return self.gemm_flops_s
-        return min(self.gemm_flops_s, max(1, threads) * self.gemm_flops_s_one_thread)
+        share = self.gemm_flops_s * min(1.0, max(1, threads) / max(1, self.cores))
+        return min(share, max(1, threads) * self.gemm_flops_s_one_thread)
 
 
 def default_path() -> Path:
@@ -187,11 +189,12 @@ def _echo_pipe(conn) -> None:
 
 def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
     """A served tiny-model decode step (batch 1) less its compute."""
+    from pdflow.spec.dtypes import dtype_bytes
     from pdflow.spec.load import compose_spec
 
     model = compose_spec(["model=tiny"]).model
     params = model.layers * model.params_per_layer() + model.vocab * model.hidden
-    compute = max(2.0 * params / gemm, 4 * params / mem)
+    compute = max(2.0 * params / gemm, dtype_bytes(model.stored_weight_dtype) * params / mem)
     return max(0.0, step_s - compute)
 
 
