@@ -139,3 +139,8 @@ def test_a_cuda_profile_prices_a_gpu_graph():
     graph = _graph("model=qwen3-0.6b", "mode=monolithic", "decode=tp1", "decode.device=cuda", "prefill.device=cuda")
     est = estimate(graph, prof, input_len=512, output_len=64)
     assert est.prefill_tok_s[512] > 1e3 and est.decode_tok_s[1] > 10 and est.pool_blocks["decode"] > 0
+
+
+def test_the_gemm_rate_is_taken_at_the_models_size():
+    prof = _profile(gemm_flops_s=2e9, gemm_flops_s_by_dim={"256": 1e8, "4096": 1e9})
+    assert prof.gemm_rate(300) == 1e8 and prof.gemm_rate(2048) == 1e9 and prof.gemm_rate(None) == 2e9

@@ -100,7 +100,8 @@ class Pricer:
         threads = max(1, prof.cores // (inst.tp * inst.pp))
         # CPU ranks beyond the cores take turns: a stage's TP ranks all compute at once.
         crowd = max(1.0, inst.tp * threads / prof.cores) if prof.device == "cpu" else 1.0
-        compute = crowd * max(flops / prof.rank_flops_s(threads), (weight_bytes + kv_bytes) / prof.mem_bytes_s)
+        compute = crowd * max(flops / prof.rank_flops_s(threads, m.hidden),
+                              (weight_bytes + kv_bytes) / prof.mem_bytes_s)
         if inst.tp > 1:
             act = tokens * m.hidden * dtype_bytes(m.dtype)
             compute += 2 * layers * (self._all_reduce_s() + act / self._link_rate())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import socket
@@ -47,6 +48,9 @@ class MachineProfile:
     # What a step of a side with rank processes costs per stage beyond compute, its
     # collectives and the owner's overhead (served TP2 step vs TP1; 0 where not measured).
     rank_step_overhead_s: float = 0.0
+    # GEMM rate (all threads) by a model's hidden size: [512 tokens, d] @ [d, 3d]; small
+    # matrices run well below the large-matrix rate.
+    gemm_flops_s_by_dim: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,13 +61,22 @@ class MachineProfile:
     def load(cls, path: Path) -> MachineProfile:
         return cls(**json.loads(path.read_text()))
 
-    def rank_flops_s(self, threads: int) -> float:
+    def gemm_rate(self, hidden: int | None = None) -> float:
+        """The measured rate at the size nearest ``hidden`` (log scale); the large-matrix
+        rate when none was measured by size."""
+        if not hidden or not self.gemm_flops_s_by_dim:
+            return self.gemm_flops_s
+        dim = min(self.gemm_flops_s_by_dim, key=lambda d: abs(math.log(int(d) / hidden)))
+        return self.gemm_flops_s_by_dim[dim]
+
+    def rank_flops_s(self, threads: int, hidden: int | None = None) -> float:
         """A CPU rank with ``threads`` of the machine's threads gets that share of its
         measured rate (one thread's rate at most per thread)."""
+        rate = self.gemm_rate(hidden)
         if self.device != "cpu":
-            return self.gemm_flops_s
-        share = self.gemm_flops_s * min(1.0, max(1, threads) / max(1, self.cores))
-        return min(share, max(1, threads) * self.gemm_flops_s_one_thread)
+            return rate
+        share = rate * min(1.0, max(1, threads) / max(1, self.cores))
+        return min(share, max(1, threads) * self.gemm_flops_s_one_thread * rate / self.gemm_flops_s)
 
 
 def default_path() -> Path:
@@ -86,6 +99,17 @@ def _gemm(torch, device: str, n: int, sync) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     b = torch.randn_like(a)
     return 2.0 * n ** 3 / _timed(lambda: a @ b, sync=sync)
+
+
+def _gemm_by_dim(torch, device: str, sync) -> dict[str, float]:
+    dims = (256, 1024, 4096) if device == "cpu" else (1024, 4096, 8192)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    out = {}
+    for d in dims:
+        a = torch.randn(512, d, device=device, dtype=dtype)
+        b = torch.randn(d, 3 * d, device=device, dtype=dtype)
+        out[str(d)] = 2.0 * 512 * d * 3 * d / _timed(lambda a=a, b=b: a @ b, min_s=0.2, sync=sync)
+    return out
 
 
 def _tcp(size: int) -> tuple[float, float]:
@@ -222,6 +246,7 @@ def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
     if device.startswith("cuda"):
         for name in ("nccl", "cuda_ipc"):  # one host: device-to-device copies
             rates[name], latencies[name] = mem / 2, 20e-6
+    by_dim = _gemm_by_dim(torch, device, sync)
     allreduce, hop = _collectives(device)
     served = step_probe(device) if step_probe else 0.0
     rank_step = 0.0
@@ -235,7 +260,7 @@ def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
         transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
         step_overhead_s=_step_overhead(served, gemm, mem) if step_probe else 0.0,
-        allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step,
+        allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
     )
 
 
