@@ -83,16 +83,20 @@ def default_path() -> Path:
     return Path(os.environ.get(PROFILE_ENV) or DEFAULT_PATH).expanduser()
 
 
-def _timed(fn, *, min_s: float = 0.3, sync=lambda: None) -> float:
-    """Seconds per call, averaged over at least ``min_s`` after one warm-up call."""
+def _timed(fn, *, min_s: float = 0.3, sync=lambda: None, rounds: int = 5) -> float:
+    """Seconds per call: the best of ``rounds`` rounds of at least ``min_s / rounds``
+    each (after a warm-up call), so a moment of load on a shared host is not the rate."""
     fn()
     sync()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_s or calls < 3:
-        fn()
-        calls += 1
-    sync()
-    return (time.perf_counter() - start) / calls
+    best = float("inf")
+    for _ in range(rounds):
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_s / rounds or calls < 2:
+            fn()
+            calls += 1
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def _gemm(torch, device: str, n: int, sync) -> float:
