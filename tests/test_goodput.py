@@ -126,9 +126,10 @@ def stub_server():
 def test_goodput_converges_to_the_stub_servers_capacity(stub_server):
     """Evenly spaced arrivals: below 20/s nothing queues (TTFT = 50 ms); above it the
     queue grows by (SERVICE_S - 1/rate) per request, and with 30 requests the 27th
-    waits past the 150 ms SLO from about 21/s on. The search must land near 20/s, not
+    waits past the 200 ms SLO from about 22.6/s on (the margin absorbs a loaded host's jitter).
+    The search must land near 20/s, not
     at its start (8/s) or its cap (128/s)."""
-    slo = SloSpec(ttft_s=3 * SERVICE_S, attainment=0.9, start_rate=8.0, max_rate=128.0, rel_tol=0.1,
+    slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=8.0, max_rate=128.0, rel_tol=0.1,
                   max_probes=8, arrivals="uniform")
     spec = WorkloadSpec(kind="serve", num_requests=30, slo=slo, progress=False)
     requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(30)]
