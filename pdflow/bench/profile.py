@@ -23,6 +23,9 @@ from pathlib import Path
 
 DEFAULT_PATH = Path("~/.cache/pdflow/profile.json")
 PROFILE_ENV = "PDFLOW_PROFILE"
+# Tokens of the by-size GEMM: a prefill step's batch (512 rows priced the tiny model's
+# 2048-token prefill steps at a seventh of what they ran at).
+ROWS = 2048
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,8 +51,8 @@ class MachineProfile:
     # What a step of a side with rank processes costs per stage beyond compute, its
     # collectives and the owner's overhead (served TP2 step vs TP1; 0 where not measured).
     rank_step_overhead_s: float = 0.0
-    # GEMM rate (all threads) by a model's hidden size: [512 tokens, d] @ [d, 3d]; small
-    # matrices run well below the large-matrix rate.
+    # GEMM rate (all threads) by a model's hidden size: [ROWS tokens, d] @ [d, 3d] (a
+    # prefill step's shape); small matrices run well below the large-matrix rate.
     gemm_flops_s_by_dim: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: Path) -> Path:
@@ -110,9 +113,9 @@ def _gemm_by_dim(torch, device: str, sync) -> dict[str, float]:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     out = {}
     for d in dims:
-        a = torch.randn(512, d, device=device, dtype=dtype)
+        a = torch.randn(ROWS, d, device=device, dtype=dtype)
         b = torch.randn(d, 3 * d, device=device, dtype=dtype)
-        out[str(d)] = 2.0 * 512 * d * 3 * d / _timed(lambda a=a, b=b: a @ b, min_s=0.2, sync=sync)
+        out[str(d)] = 2.0 * ROWS * d * 3 * d / _timed(lambda a=a, b=b: a @ b, min_s=0.2, sync=sync)
     return out
 
 
