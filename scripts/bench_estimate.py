@@ -86,7 +86,8 @@ def estimate_point(overrides: list[str], profile, args) -> dict:
     _, prefill = Pricer(graph=graph, profile=profile, role=role).prefill(args.prompt, args.concurrency)
     step = Pricer(graph=graph, profile=profile, role=CONSUMER).step_s(args.concurrency, 16 + args.output // 2,
                                                                        args.concurrency)
-    return {"prefill_tok_s": prefill, "decode_tok_s": args.concurrency * tokens_per_forward(graph) / step}
+    depth = Pricer(graph=graph, profile=profile, role=CONSUMER).depth(args.concurrency)
+    return {"prefill_tok_s": prefill, "decode_tok_s": args.concurrency * tokens_per_forward(graph) * depth / step}
 
 
 def main() -> int:

@@ -136,6 +136,15 @@ class Pricer:
         """One step's latency: every stage in turn."""
         return self.overhead_s() + sum(self.stage_times(tokens, context, rows))
 
+    def depth(self, batch: int) -> int:
+        """Decode steps in flight at once: the engine splits a batch across up to one step
+        per PP stage (on CPU only as far as spare cores let stages overlap)."""
+        inst = self.graph.instance(self.role)
+        depth = min(self.par.steps_in_flight, inst.pp, batch)
+        if self.profile.device == "cpu":
+            depth = min(depth, max(1, self.profile.cores // inst.tp))
+        return max(1, depth)
+
     def prefill(self, length: int, concurrent: int = 1) -> tuple[float, float]:
         """(seconds for one prompt alone, tokens/s with ``concurrent`` prompts batched
         up to ``max_num_batched_tokens`` a step and the pipeline full of steps)."""
@@ -226,7 +235,8 @@ def estimate(graph: RunGraph, profile: MachineProfile, *, slo: SloSpec | None = 
                                                                            else (PRODUCER, CONSUMER))),
         pool_blocks={role: b.pool_blocks for role, b in graph.budgets.items()},
         prefill_tok_s=rate, ttft_s=ttft, decode_step_s=step,
-        decode_tok_s={b: b * tpf / s for b, s in step.items()}, transfer_s=moved if graph.producer else {},
+        decode_tok_s={b: b * tpf * decode.depth(b) / s for b, s in step.items()},
+        transfer_s=moved if graph.producer else {},
         input_len=input_len,
     )
     _goodput(out, graph, decode, prefill, slo or SloSpec(), input_len, output_len, k, tpf)
@@ -254,7 +264,7 @@ def _goodput(out: Estimate, graph: RunGraph, decode: Pricer, prefill: Pricer, sl
                           f"the decode pool ({budget.pool_blocks} blocks) cannot hold one request")
         return
     tpot = decode.step_s(best * (k + 1), context, best) / tpf
-    decode_rate = best / (output * tpot)
+    decode_rate = best * decode.depth(best) / (output * tpot)
     _, tok_s = prefill.prefill(length)
     prefill_rate = tok_s / length
     if graph.producer is None:
