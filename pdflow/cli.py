@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -62,6 +63,9 @@ options:
   --json          print the graph as JSON instead of tables
   --png FILE      also draw it to FILE: stages, ranks, KV heads, the cuts between them
                   (a sweep writes FILE-<job>.png per job)
+  --estimate      also price it with the machine profile (pdflow profile): prefill tok/s
+                  and TTFT per prompt length, decode step and tok/s per batch, transfer
+                  per request, pools, goodput under workload.slo (--profile FILE: another)
   -m, --multirun  sweep: an override with a comma list (prefill=pp4,tp4) runs one plan per
                   combination; Hydra keeps a multirun/<date>/<time>/ folder in the current
                   directory (a single plan writes nothing)
@@ -132,6 +136,8 @@ def job_spec(cfg: DictConfig, outcome: JobsOutcome) -> RunSpec | None:
 class _PlanState:
     json: bool = False
     png: str | None = None
+    # --estimate: the profile file to price the graph with (None: no estimate).
+    estimate: str | None = None
     outcome: JobsOutcome = field(default_factory=JobsOutcome)
 
 
@@ -152,14 +158,19 @@ def _plan(cfg: DictConfig) -> None:
 
         render(graph)
     if _plan_state.png is not None:
-        from pathlib import Path
-
         from pdflow.graph.picture import write_png
 
         path = Path(_plan_state.png)
         if outcome.sweep:
             path = path.with_name(f"{path.stem}-{HydraConfig.get().job.num}{path.suffix}")
         write_png(graph, path)
+    if _plan_state.estimate is not None and not graph.refusals:
+        from pdflow.bench.estimate import estimate_run
+        from pdflow.bench.estimate import render as render_estimate
+        from pdflow.bench.profile import MachineProfile
+
+        est = estimate_run(graph, MachineProfile.load(Path(_plan_state.estimate)))
+        print(json.dumps({"estimate": est.to_dict()}, indent=1) if _plan_state.json else render_estimate(est))
     if graph.refusals:
         name = job_name()
         outcome.refused.append(name)
@@ -193,6 +204,28 @@ def run_hydra_app(app: Callable[[], None], name: str, args: list[str]) -> int:
     return EXIT_OK
 
 
+def _estimate_profile(args: list[str]) -> tuple[str | None, list[str]]:
+    """``--estimate`` [``--profile FILE``] out of ``args``: the profile's path, None when
+    not asked, "" (after saying why) when the profile is missing."""
+    from pdflow.bench.profile import default_path
+
+    if "--estimate" not in args:
+        return None, args
+    args = [a for a in args if a != "--estimate"]
+    path = default_path()
+    if "--profile" in args:
+        at = args.index("--profile")
+        if at + 1 >= len(args):
+            print("pdflow plan: --profile needs a file (pdflow plan --estimate --profile FILE)", file=sys.stderr)
+            return "", args
+        path, args = Path(args[at + 1]), args[:at] + args[at + 2:]
+    if not path.is_file():
+        print(f"pdflow plan: no machine profile at {path} (run pdflow profile first, or pass --profile FILE)",
+              file=sys.stderr)
+        return "", args
+    return str(path), args
+
+
 def plan_command(args: list[str]) -> int:
     if "-h" in args or "--help" in args:
         print(plan_help())
@@ -204,7 +237,11 @@ def plan_command(args: list[str]) -> int:
             print("pdflow plan: --png needs a file name (pdflow plan --png plan.png ...)", file=sys.stderr)
             return EXIT_CONFIG
         png, args = args[at + 1], args[:at] + args[at + 2:]
+    estimate, args = _estimate_profile(args)
+    if estimate == "":
+        return EXIT_CONFIG
     _plan_state.json, _plan_state.png, _plan_state.outcome = "--json" in args, png, JobsOutcome()
+    _plan_state.estimate = estimate
     code = run_hydra_app(_plan, "plan", [a for a in args if a != "--json"])
     return code or _plan_state.outcome.exit_code("plan")
 
@@ -263,6 +300,13 @@ def hydra_command(module: str, name: str, flags: dict[str, str] | None = None) -
     return run
 
 
+def profile_command(args: list[str]) -> int:
+    from pdflow.bench.profile import main as profile_main
+    from pdflow.serve.step_probe import served_step_s
+
+    return profile_main(args, step_probe=served_step_s)
+
+
 def compare_command(args: list[str]) -> int:
     from pdflow.tracking.compare import main as compare_main
 
@@ -283,6 +327,11 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         summary="launch the deployment behind an OpenAI-compatible API until Ctrl-C",
         run=hydra_command("pdflow.cli_serve", "serve"),
+    ),
+    "profile": Command(
+        summary="measure this machine (GEMM, memory, host copy, transfer, per-step overhead) "
+        "for pdflow plan --estimate (--help)",
+        run=profile_command,
     ),
     "compare": Command(
         summary="a sweep's MLflow runs as a markdown table and a plot (--help)",

@@ -88,6 +88,8 @@ def print_results(name: str, result: WorkloadResult, metrics: dict[str, float]) 
 
 
 def run_job(cfg: DictConfig) -> dict[str, float]:
+    """The run's metrics; a run the estimate pruned (SLOs out of reach) launches nothing
+    and returns ``{goodput_per_device: 0}``."""
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
     from pdflow.serve.launch import serve_spec
     from pdflow.tracking.plots import results_figure
@@ -108,6 +110,12 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         if refusals:
             tracked.set_tag("pdflow.refusals", ",".join(sorted({r.code.name for r in refusals})))
             raise GraphRefused(refusals)
+        from pdflow.tracking.estimate_log import OBJECTIVE, measured_extras, plan_run
+
+        planned = plan_run(tracked, graph)
+        if planned.pruned is not None:
+            print(f"pdflow run: pruned before launch: {planned.pruned}", file=sys.stderr)
+            return {OBJECTIVE: 0.0}
         workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
         began = time.monotonic()
@@ -116,6 +124,7 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
             target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
             result = run_workloads_sync(target, prepared, spec.workload)
             metrics = result.metrics | server_gauges(served.url, served.api_key) | {"startup_s": startup_s}
+        metrics |= measured_extras(planned, metrics)
         tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
         print_results(spec.name, result, metrics)
         tracked.log_metrics(metrics)
@@ -134,8 +143,11 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-def _run(cfg: DictConfig) -> None:
-    run_job(cfg)
+def _run(cfg: DictConfig) -> float:
+    """The job's return is what a search (Hydra's Optuna sweeper) maximizes."""
+    from pdflow.tracking.estimate_log import OBJECTIVE
+
+    return float(run_job(cfg).get(OBJECTIVE, 0.0))
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 from pdflow.spec.drafter import DrafterSpec
 from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
-from pdflow.spec.run import RunSpec, ServeSpec, TrackingSpec, WorkloadSpec
+from pdflow.spec.run import RunSpec, ServeSpec, SloSpec, TrackingSpec, WorkloadSpec
 from pdflow.spec.transfer import TransferSpec
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ParallelSpec",
     "RunSpec",
     "ServeSpec",
+    "SloSpec",
     "TrackingSpec",
     "TransferSpec",
     "WorkloadSpec",

@@ -19,6 +19,47 @@ def _check_range(name: str, pair: list[int]) -> None:
         raise ValueError(f"workload.{name} must be [min, max] with 1 <= min <= max, got {list(pair)}")
 
 
+ARRIVALS = ("poisson", "uniform")
+
+
+@dataclass(kw_only=True, slots=True)
+class SloSpec:
+    """Service-level objectives of ``workload=serve``/``replay``: with ``ttft_s`` or
+    ``tpot_s`` set, the run also searches its goodput (pdflow/bench/goodput.py): the
+    highest request rate at which at least ``attainment`` of the requests meet both,
+    found by a ramp from ``start_rate`` (doubling up to ``max_rate``) then bisection
+    until the bracket is within ``rel_tol`` or ``max_probes`` rates were tried."""
+
+    ttft_s: float | None = None
+    # Time per output token after the first: (latency - ttft) / (tokens - 1).
+    tpot_s: float | None = None
+    attainment: float = 0.9
+    start_rate: float = 1.0
+    max_rate: float = 64.0
+    rel_tol: float = 0.1
+    max_probes: int = 8
+    # How a probe spaces its requests at the rate: Poisson, or evenly (a sharp knee).
+    arrivals: str = "poisson"
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"workload.slo.{name} must be positive seconds (or null: no objective)")
+        if not 0.0 < self.attainment <= 1.0:
+            raise ValueError(f"workload.slo.attainment must be a fraction in (0, 1], got {self.attainment}")
+        if not 0 < self.start_rate <= self.max_rate:
+            raise ValueError("workload.slo needs 0 < start_rate <= max_rate (requests per second)")
+        if not 0 < self.rel_tol < 1 or self.max_probes < 1:
+            raise ValueError("workload.slo needs 0 < rel_tol < 1 and max_probes >= 1")
+        if self.arrivals not in ARRIVALS:
+            raise ValueError(f"workload.slo.arrivals {self.arrivals!r} is not one of {ARRIVALS}")
+
+
 @dataclass(kw_only=True, slots=True)
 class WorkloadSpec:
     """What ``pdflow run`` drives through the served API (pdflow/bench/workloads).
@@ -50,6 +91,8 @@ class WorkloadSpec:
     time_scale: float = 1.0
     request_timeout_s: float = 600.0
     progress: bool = True
+    # serve/replay: objectives; when set the run reports goodput (bench/goodput.py).
+    slo: SloSpec = field(default_factory=SloSpec)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -66,6 +109,9 @@ class WorkloadSpec:
         _check_range("output_len", self.output_len)
         if self.request_rate < 0 or self.time_scale <= 0 or self.request_timeout_s <= 0:
             raise ValueError("workload needs request_rate >= 0, time_scale > 0, request_timeout_s > 0")
+        if self.slo.enabled and self.kind not in ("serve", "replay"):
+            raise ValueError(f"workload.slo (goodput) applies to workload=serve or replay, not {self.kind!r}; "
+                             "unset workload.slo.ttft_s/tpot_s or pick workload=serve")
 
 
 SERVE_ROLES = ("deployment", "prefill", "decode", "router")

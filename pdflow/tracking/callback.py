@@ -21,6 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pdflow.tracking import store
+from pdflow.tracking.estimate_log import PRUNED_TAG
 from pdflow.tracking.params import fit_value
 from pdflow.tracking.run_logger import MAX_TAG_VALUE, PARENT_ENV, PARENT_TAG
 from pdflow.tracking.tags import git_tags, hardware_tags
@@ -44,16 +45,34 @@ def close_open_sweeps() -> None:
         statuses = [c.info.status for c in children]
         ok = bool(statuses) and all(s == "FINISHED" for s in statuses)
         failed = sum(s == "FAILED" for s in statuses)
+        pruned = sum(PRUNED_TAG in c.data.tags for c in children)
         client.log_batch(run_id, tags=[RunTag("pdflow.sweep.children", str(len(statuses))),
-                                       RunTag("pdflow.sweep.failed", str(failed))])
+                                       RunTag("pdflow.sweep.failed", str(failed)),
+                                       RunTag("pdflow.sweep.pruned", str(pruned))])
         try:
             from pdflow.tracking.compare import comparison_markdown
 
             client.log_text(run_id, comparison_markdown(children), "comparison.md")
+            _log_pareto(client, run_id, children)
         finally:
             client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
             if os.environ.get(PARENT_ENV) == run_id:
                 del os.environ[PARENT_ENV]
+
+
+def _log_pareto(client, run_id: str, children) -> None:
+    """The sweep's Pareto front as ``pareto.png`` on the parent, the best run as a tag."""
+    import matplotlib.pyplot as plt
+
+    from pdflow.tracking.pareto import best_run, pareto_figure
+
+    best, metric = best_run(children)
+    if best is not None:
+        client.set_tag(run_id, "pdflow.sweep.best", f"{best.info.run_name} ({metric} "
+                       f"{best.data.metrics[metric]:.4g}, run {best.info.run_id})")
+    figure = pareto_figure(children)
+    client.log_figure(run_id, figure, "pareto.png")
+    plt.close(figure)
 
 
 class MlflowSweepCallback(Callback):

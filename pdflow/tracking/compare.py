@@ -14,13 +14,18 @@ from pathlib import Path
 
 from pdflow.tracking import store
 from pdflow.tracking.callback import SWEEP_TAG
+from pdflow.tracking.estimate_log import PRUNED_TAG
+from pdflow.tracking.pareto import best_run, pareto_figure
 from pdflow.tracking.run_logger import PARENT_TAG
 from pdflow.tracking.tags import CHOICE
 
-# Shown when present, in this order: the reference deployment's two tables.
+# Shown when present, in this order: what a deployment choice needs (per side pools,
+# speed, latency percentiles, goodput, acceptance, estimate vs measured), then accuracy.
 DEFAULT_METRICS = (
-    "arith_strict", "arith_flexible", "draft_acceptance_rate", "tokens_per_forward", "needle_accuracy",
-    "prompt_throughput_tok_s", "ttft_mean_s", "itl_p50_s", "output_throughput_tok_s", "kv_blocks_total",
+    "devices", "prefill_pool_blocks", "decode_pool_blocks", "prompt_throughput_tok_s", "ttft_p50_s",
+    "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_throughput_tok_s", "output_tok_s_per_device",
+    "goodput_req_s", "goodput_per_device", "est_goodput_req_s", "goodput_est_over_measured", "ttft_est_over_measured",
+    "draft_acceptance_rate", "tokens_per_forward", "arith_strict", "arith_flexible", "needle_accuracy",
 )
 
 
@@ -74,7 +79,7 @@ def table(runs, by: list[str], metrics: list[str]) -> tuple[list[str], list[list
     for r in runs:
         labels = _labels(r, by)
         values = [_fmt(r.data.metrics.get(m)) for m in metrics]
-        rows.append([*labels, r.info.status, *values])
+        rows.append([*labels, "PRUNED" if PRUNED_TAG in r.data.tags else r.info.status, *values])
     return header, rows
 
 
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by", default=None, help="config groups labelling the rows, e.g. prefill,drafter")
     parser.add_argument("--metrics", default=None, help="comma-separated metric names")
     parser.add_argument("--plot", default="pdflow-compare.png", help="where to save the plot ('' for none)")
+    parser.add_argument("--pareto", default="pdflow-pareto.png",
+                        help="where to save the Pareto front, throughput per device vs TTFT p99 ('' for none)")
     args = parser.parse_args(argv)
     uri = store.resolve_uri(args.tracking_uri or default_uri(), Path.cwd())
     db = store.sqlite_path(uri)
@@ -152,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     metrics = pick_metrics(runs, args.metrics.split(",") if args.metrics else None)
     print(f"{title}: {len(runs)} runs\n")
     print(markdown(*table(runs, by, metrics)), end="")
+    best, metric = best_run(runs)
+    if best is not None:
+        print(f"\nbest: {' '.join(_labels(best, by))} ({metric} {_fmt(best.data.metrics[metric])})")
     if args.plot and runs:
         print(f"\nplot: {plot(runs, by, metrics, Path(args.plot)).resolve()}")
+    if args.pareto and runs:
+        import matplotlib.pyplot as plt
+
+        figure = pareto_figure(runs, label=lambda r: " ".join(_labels(r, by)))
+        figure.savefig(args.pareto, dpi=110)
+        plt.close(figure)
+        print(f"Pareto front: {Path(args.pareto).resolve()}")
     return 0

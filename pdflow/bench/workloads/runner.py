@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
 from pdflow.bench.workloads.client import Target, drive
+from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
 from pdflow.bench.workloads.stats import latency_metrics
 from pdflow.bench.workloads.tasks import ArithWorkload, NeedleWorkload
@@ -40,6 +41,17 @@ def _rows(phase: str, requests: list[WorkRequest], results: list[RequestResult])
     return rows
 
 
+async def goodput_of(target: Target, requests: list[WorkRequest], spec: WorkloadSpec) -> GoodputResult:
+    """The goodput search over these requests (open loop: every request may be in flight)."""
+
+    async def send(timed: list[WorkRequest]) -> list[RequestResult]:
+        results, _ = await drive(target, timed, concurrency=max(1, len(timed)), timeout_s=spec.request_timeout_s,
+                                 progress=False, label="goodput")
+        return results
+
+    return await search(make_probe(send, requests, spec.slo, seed=spec.seed), spec.slo)
+
+
 def prepare(workloads: list) -> list[tuple]:
     """(workload, its requests) pairs: building requests reads traces and makes prompts,
     so a bad trace is refused before anything is launched."""
@@ -62,6 +74,10 @@ async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpe
             raise WorkloadFailed(f"all {len(results)} {workload.name} requests failed; the first: "
                                  f"{results[0].error}")
         task, parts = workload.score(requests, results)
+        if spec.slo.enabled and workload.name in ("serve", "replay"):
+            found = await goodput_of(target, requests, spec)
+            task = task | {"slo_attainment": attainment(results, spec.slo)} | found.metrics()
+            parts = parts | found.breakdown()
         prefix = f"{workload.name}_" if len(prepared) > 1 else ""
         latency = latency_metrics(results, wall)
         metrics |= {prefix + k: v for k, v in latency.items()} | task

@@ -1,0 +1,278 @@
+"""A plan-time estimate of a deployment: the run graph priced with a machine profile.
+
+The graph says what each stage holds (its layers, its TP degree, each side's pool and
+block size, the bytes every producer rank writes per block); the profile says what this
+machine does per second. A stage's step is the larger of its FLOPs at the rank's GEMM
+rate and its bytes (weights, live KV) at the memory bandwidth, plus two all-reduces per
+layer under TP; a step adds the pipeline hops, the engine's per-step host overhead and,
+when the side has rank processes, one owner <-> rank message and each stage's measured
+per-step rank work. Nothing here places or
+lays out anything: every shape is asked of the graph.
+
+Goodput: a request of mean prompt ``L`` and output ``O`` needs its TTFT at zero load
+within ``slo.ttft_s``; decode runs the largest batch whose time per token stays within
+``slo.tpot_s`` and whose blocks fit the decode pool; the rate is the smaller of what
+prefill and decode sustain (in series on one instance when monolithic), times
+``HEADROOM`` for the queueing an attainment target leaves room for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pdflow.bench.profile import MachineProfile
+from pdflow.graph import CONSUMER, PRODUCER, RunGraph
+from pdflow.spec import SloSpec
+from pdflow.spec.dtypes import dtype_bytes
+
+HEADROOM = 0.8
+# Assumed share of drafts accepted, for tokens per forward before anything was measured.
+ASSUMED_ACCEPTANCE = 0.6
+PROMPT_LENGTHS = (128, 512, 2048, 8192)
+BATCHES = (1, 4, 16, 64, 256)
+
+
+class EstimateError(ValueError):
+    """The profile cannot price this graph (another device kind)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    devices: int
+    pool_blocks: dict[str, int]
+    prefill_tok_s: dict[int, float]  # prompt length -> tokens/s
+    ttft_s: dict[int, float]  # prompt length -> seconds at zero load (transfer included)
+    decode_step_s: dict[int, float]  # batch -> seconds per step
+    decode_tok_s: dict[int, float]  # batch -> output tokens/s
+    transfer_s: dict[int, float]  # prompt length -> seconds (P/D only)
+    goodput_req_s: float = 0.0
+    goodput_per_device: float = 0.0
+    decode_batch: int = 0
+    input_len: int = 0  # the workload's mean prompt, which est_ttft_s/est_prefill_tok_s price
+    limits: list[str] = field(default_factory=list)  # why goodput is what it is (0: why none)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        """What a run logs beside what it measured (``est_`` prefix)."""
+        out = {f"est_{role}_pool_blocks": float(n) for role, n in self.pool_blocks.items()}
+        out |= {"est_goodput_req_s": self.goodput_req_s, "est_goodput_per_device": self.goodput_per_device,
+                "est_decode_batch": float(self.decode_batch)}
+        if self.input_len in self.ttft_s:
+            out |= {"est_ttft_s": self.ttft_s[self.input_len], "est_prefill_tok_s": self.prefill_tok_s[self.input_len]}
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class Pricer:
+    """Step times of one side of the graph on one profile."""
+
+    graph: RunGraph
+    profile: MachineProfile
+    role: str
+
+    def __post_init__(self) -> None:
+        device = self.graph.spec.decode.device if self.role == CONSUMER else self.graph.spec.prefill.device
+        kind = "cpu" if device == "cpu" else "cuda"
+        if kind != self.profile.device:
+            raise EstimateError(f"the profile measured {self.profile.device}, the {self.role} side runs on {device}; "
+                                f"run pdflow profile --device {kind} --out FILE and pass --profile FILE")
+
+    @property
+    def par(self):
+        return self.graph.spec.prefill if self.role == PRODUCER else self.graph.spec.decode
+
+    def _stage_s(self, stage, tokens: int, context: int, rows: int) -> float:
+        m, par, prof = self.graph.spec.model, self.par, self.profile
+        inst = self.graph.instance(self.role)
+        layers = stage.layer_stop - stage.layer_start
+        matmul = (m.params_per_layer() - 2 * m.hidden) * layers
+        flops = 2.0 * tokens * matmul / inst.tp
+        flops += 4.0 * m.heads * m.head_dim * tokens * context * layers / inst.tp
+        weight_bytes = matmul * dtype_bytes(m.stored_weight_dtype) / inst.tp
+        kv_bytes = sum(u.bytes_per_block for u in stage.ranks[0].units) * context / max(1, par.block_size) \
+            * max(1, rows)
+        if stage.index == inst.pp - 1:
+            flops += 2.0 * rows * m.vocab * m.hidden
+            weight_bytes += m.vocab * m.hidden * dtype_bytes(m.stored_weight_dtype)
+        threads = max(1, prof.cores // (inst.tp * inst.pp))
+        # CPU ranks beyond the cores take turns: a stage's TP ranks all compute at once.
+        crowd = max(1.0, inst.tp * threads / prof.cores) if prof.device == "cpu" else 1.0
+        compute = crowd * max(flops / prof.rank_flops_s(threads, m.hidden),
+                              (weight_bytes + kv_bytes) / prof.mem_bytes_s)
+        if inst.tp > 1:
+            act = tokens * m.hidden * dtype_bytes(m.dtype)
+            compute += 2 * layers * (self._all_reduce_s() + act / self._link_rate())
+        return compute
+
+    def _all_reduce_s(self) -> float:
+        """The profile's measured all-reduce; older profiles: the link's latency."""
+        return self.profile.allreduce_s or self._link_latency()
+
+    def _hop_s(self) -> float:
+        return self.profile.hop_s or self._link_latency()
+
+    def _link_latency(self) -> float:
+        return self.profile.transfer_latency_s.get("nccl" if self.profile.device == "cuda" else "gloo", 0.0)
+
+    def _link_rate(self) -> float:
+        return self.profile.transfer_bytes_s.get("nccl" if self.profile.device == "cuda" else "gloo", math.inf)
+
+    def stage_times(self, tokens: int, context: int, rows: int) -> list[float]:
+        return [self._stage_s(s, tokens, context, rows) for s in self.graph.instance(self.role).stages]
+
+    def overhead_s(self) -> float:
+        inst = self.graph.instance(self.role)
+        hops = (inst.pp - 1) * self._hop_s()
+        ranks = 0.0
+        if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
+            crowd = max(1.0, inst.tp / self.profile.cores) if self.profile.device == "cpu" else 1.0
+            ranks = self.profile.rank_message_s + inst.pp * crowd * self.profile.rank_step_overhead_s
+        return self.profile.step_overhead_s + ranks + hops
+
+    def step_s(self, tokens: int, context: int, rows: int) -> float:
+        """One step's latency: every stage in turn."""
+        return self.overhead_s() + sum(self.stage_times(tokens, context, rows))
+
+    def depth(self, batch: int) -> int:
+        """Decode steps in flight at once: the engine splits a batch across up to one step
+        per PP stage (on CPU only as far as spare cores let stages overlap)."""
+        inst = self.graph.instance(self.role)
+        depth = min(self.par.steps_in_flight, inst.pp, batch)
+        if self.profile.device == "cpu":
+            depth = min(depth, max(1, self.profile.cores // inst.tp))
+        return max(1, depth)
+
+    def prefill(self, length: int, concurrent: int = 1) -> tuple[float, float]:
+        """(seconds for one prompt alone, tokens/s with ``concurrent`` prompts batched
+        up to ``max_num_batched_tokens`` a step and the pipeline full of steps)."""
+        chunk = min(length, self.par.max_num_batched_tokens)
+        chunks = math.ceil(length / chunk)
+        alone = sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
+        tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
+        rows = max(1, tokens // length)
+        inst = self.graph.instance(self.role)
+        depth = min(self.par.steps_in_flight, inst.pp)
+        if self.profile.device == "cpu":  # stages overlap only on spare cores
+            depth = min(depth, max(1, self.profile.cores // inst.tp))
+        busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
+        per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest)
+        return alone, tokens / per_step
+
+
+def transfer_s(graph: RunGraph, profile: MachineProfile, length: int) -> float:
+    """The busiest producer rank's bytes for a ``length``-token prompt at the profile's
+    rate for the graph's transfer (ranks write in parallel)."""
+    if graph.producer is None or not graph.cuts:
+        return 0.0
+    blocks = math.ceil(length / graph.spec.prefill.block_size)
+    per_rank: dict[int, int] = {}
+    for cut in graph.cuts:
+        per_rank[cut.producer_rank] = per_rank.get(cut.producer_rank, 0) + cut.bytes_per_block
+    backend = next((b for b in profile.transfer_bytes_s if graph.transfer.startswith(b)), "mooncake")
+    rate = profile.transfer_bytes_s.get(backend, math.inf)
+    latency = profile.transfer_latency_s.get(backend, 0.0)
+    return latency + blocks * max(per_rank.values()) / rate
+
+
+def tokens_per_forward(graph: RunGraph, acceptance: float = ASSUMED_ACCEPTANCE) -> float:
+    k = graph.spec.drafter.num_speculative_tokens if graph.drafter is not None else 0
+    return 1.0 + sum(acceptance ** i for i in range(1, k + 1))
+
+
+def workload_shape(spec) -> tuple[int, int]:
+    """(prompt, output) lengths the workload sends on average: what the estimate prices."""
+    w = spec.workload
+    if w.kind == "serve":
+        return sum(w.input_len) // 2, max(1, sum(w.output_len) // 2)
+    if w.kind == "prefill":
+        return w.prompt_tokens, 1
+    return 256, 64
+
+
+def estimate_run(graph: RunGraph, profile: MachineProfile) -> Estimate:
+    """The estimate for the run's own workload and SLOs."""
+    length, output = workload_shape(graph.spec)
+    return estimate(graph, profile, slo=graph.spec.workload.slo, input_len=length, output_len=output)
+
+
+def render(est: Estimate) -> str:
+    """Plain-text tables for ``pdflow plan --estimate``."""
+    lines = [f"estimate ({est.devices} devices; pools: "
+             + ", ".join(f"{r} {n} blocks" for r, n in est.pool_blocks.items()) + ")",
+             "  prompt  prefill tok/s   TTFT s   transfer s"]
+    for n in est.prefill_tok_s:
+        lines.append(f"  {n:6d}  {est.prefill_tok_s[n]:13.4g}  {est.ttft_s[n]:7.3g}  "
+                     f"{est.transfer_s.get(n, 0.0):11.3g}")
+    lines.append("  batch   step s   decode tok/s")
+    lines += [f"  {b:5d}  {est.decode_step_s[b]:7.3g}  {est.decode_tok_s[b]:13.4g}" for b in est.decode_step_s]
+    lines.append(f"goodput {est.goodput_req_s:.3g} req/s ({est.goodput_per_device:.3g} per device, decode batch "
+                 f"{est.decode_batch}): {'; '.join(est.limits)}")
+    return "\n".join(lines)
+
+
+def estimate(graph: RunGraph, profile: MachineProfile, *, slo: SloSpec | None = None,
+             input_len: int = 256, output_len: int = 64) -> Estimate:
+    spec = graph.spec
+    decode = Pricer(graph=graph, profile=profile, role=CONSUMER)
+    prefill = decode if graph.producer is None else Pricer(graph=graph, profile=profile, role=PRODUCER)
+    k = spec.drafter.num_speculative_tokens if graph.drafter is not None else 0
+    tpf = tokens_per_forward(graph)
+    lengths = [n for n in PROMPT_LENGTHS if n <= spec.model.max_model_len] or [spec.model.max_model_len]
+    lengths = sorted(set(lengths) | {input_len})
+    ttft, rate, moved = {}, {}, {}
+    for n in lengths:
+        alone, rate[n] = prefill.prefill(n)
+        moved[n] = transfer_s(graph, profile, n)
+        ttft[n] = alone + moved[n]
+    batches = sorted({b for b in BATCHES if b <= spec.decode.max_num_seqs} | {1})
+    context = input_len + output_len // 2
+    step = {b: decode.step_s(b * (k + 1), context, b) for b in batches}
+    out = Estimate(
+        devices=sum(graph.instance(r).tp * graph.instance(r).pp for r in ((CONSUMER,) if graph.producer is None
+                                                                           else (PRODUCER, CONSUMER))),
+        pool_blocks={role: b.pool_blocks for role, b in graph.budgets.items()},
+        prefill_tok_s=rate, ttft_s=ttft, decode_step_s=step,
+        decode_tok_s={b: b * tpf * decode.depth(b) / s for b, s in step.items()},
+        transfer_s=moved if graph.producer else {},
+        input_len=input_len,
+    )
+    _goodput(out, graph, decode, prefill, slo or SloSpec(), input_len, output_len, k, tpf)
+    return out
+
+
+def _goodput(out: Estimate, graph: RunGraph, decode: Pricer, prefill: Pricer, slo: SloSpec,
+             length: int, output: int, k: int, tpf: float) -> None:
+    spec = graph.spec
+    if slo.ttft_s is not None and out.ttft_s[length] > slo.ttft_s:
+        out.limits.append(f"TTFT at zero load {out.ttft_s[length]:.3g}s > slo.ttft_s {slo.ttft_s}")
+        return
+    budget = graph.budgets[CONSUMER]
+    per_request = math.ceil((length + output + k) / max(1, budget.block_size))
+    fit = min(spec.decode.max_num_seqs, budget.pool_blocks // max(1, per_request))
+    context = length + output // 2
+    best = 0
+    for b in range(1, fit + 1):
+        tpot = decode.step_s(b * (k + 1), context, b) / tpf
+        if slo.tpot_s is not None and tpot > slo.tpot_s:
+            break
+        best = b
+    if best == 0:
+        out.limits.append("no decode batch fits the pool and slo.tpot_s" if fit else
+                          f"the decode pool ({budget.pool_blocks} blocks) cannot hold one request")
+        return
+    tpot = decode.step_s(best * (k + 1), context, best) / tpf
+    decode_rate = best * decode.depth(best) / (output * tpot)
+    _, tok_s = prefill.prefill(length)
+    prefill_rate = tok_s / length
+    if graph.producer is None:
+        rate = 1.0 / (1.0 / prefill_rate + 1.0 / decode_rate)
+        out.limits.append("prefill and decode share the instance")
+    else:
+        rate = min(prefill_rate, decode_rate)
+        out.limits.append("prefill-bound" if prefill_rate < decode_rate else "decode-bound")
+    out.decode_batch = best
+    out.goodput_req_s = HEADROOM * rate
+    out.goodput_per_device = out.goodput_req_s / out.devices

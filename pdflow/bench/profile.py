@@ -1,0 +1,284 @@
+"""``pdflow profile``: measure this machine once, for ``pdflow plan --estimate``.
+
+What the estimate needs and nothing else: the GEMM rate (all threads, and one thread,
+since a CPU rank gets ``cores // world`` threads), memory bandwidth, host copy bandwidth
+(device -> pinned host on a GPU), a transfer's bandwidth and latency per backend, the
+latency of one owner <-> rank message, and the per-step host overhead of the real engine
+(a served one-rank tiny-model decode step, less its compute). Saved as JSON; a profile says
+which device and host it measured, and the estimate refuses to mix devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_PATH = Path("~/.cache/pdflow/profile.json")
+PROFILE_ENV = "PDFLOW_PROFILE"
+# Tokens of the by-size GEMM: a prefill step's batch (512 rows priced the tiny model's
+# 2048-token prefill steps at a seventh of what they ran at).
+ROWS = 2048
+
+
+@dataclass(kw_only=True, slots=True)
+class MachineProfile:
+    """Rates in per-second units; latencies in seconds."""
+
+    device: str
+    host: str
+    cores: int
+    gemm_flops_s: float
+    gemm_flops_s_one_thread: float
+    mem_bytes_s: float
+    host_copy_bytes_s: float
+    # backend (mooncake, nccl, cuda_ipc, gloo) -> bytes/s and one small message's latency.
+    transfer_bytes_s: dict[str, float] = field(default_factory=dict)
+    transfer_latency_s: dict[str, float] = field(default_factory=dict)
+    rank_message_s: float = 0.0
+    step_overhead_s: float = 0.0
+    # Between two rank processes of this host (gloo on cpu, nccl on cuda): one all-reduce
+    # of a small activation (TP, twice a layer) and one send/recv hop (a PP stage boundary).
+    allreduce_s: float = 0.0
+    hop_s: float = 0.0
+    # What a step of a side with rank processes costs per stage beyond compute, its
+    # collectives and the owner's overhead (served TP2 step vs TP1; 0 where not measured).
+    rank_step_overhead_s: float = 0.0
+    # GEMM rate (all threads) by a model's hidden size: [ROWS tokens, d] @ [d, 3d] (a
+    # prefill step's shape); small matrices run well below the large-matrix rate.
+    gemm_flops_s_by_dim: dict[str, float] = field(default_factory=dict)
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> MachineProfile:
+        return cls(**json.loads(path.read_text()))
+
+    def gemm_rate(self, hidden: int | None = None) -> float:
+        """The measured rate at the size nearest ``hidden`` (log scale); the large-matrix
+        rate when none was measured by size."""
+        if not hidden or not self.gemm_flops_s_by_dim:
+            return self.gemm_flops_s
+        dim = min(self.gemm_flops_s_by_dim, key=lambda d: abs(math.log(int(d) / hidden)))
+        return self.gemm_flops_s_by_dim[dim]
+
+    def rank_flops_s(self, threads: int, hidden: int | None = None) -> float:
+        """A CPU rank with ``threads`` of the machine's threads gets that share of its
+        measured rate (one thread's rate at most per thread)."""
+        rate = self.gemm_rate(hidden)
+        if self.device != "cpu":
+            return rate
+        share = rate * min(1.0, max(1, threads) / max(1, self.cores))
+        return min(share, max(1, threads) * self.gemm_flops_s_one_thread * rate / self.gemm_flops_s)
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(PROFILE_ENV) or DEFAULT_PATH).expanduser()
+
+
+def _timed(fn, *, min_s: float = 0.3, sync=lambda: None, rounds: int = 5) -> float:
+    """Seconds per call: the best of ``rounds`` rounds of at least ``min_s / rounds``
+    each (after a warm-up call), so a moment of load on a shared host is not the rate."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_s / rounds or calls < 2:
+            fn()
+            calls += 1
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _gemm(torch, device: str, n: int, sync) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2.0 * n ** 3 / _timed(lambda: a @ b, sync=sync)
+
+
+def _gemm_by_dim(torch, device: str, sync) -> dict[str, float]:
+    dims = (256, 1024, 4096) if device == "cpu" else (1024, 4096, 8192)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    out = {}
+    for d in dims:
+        a = torch.randn(ROWS, d, device=device, dtype=dtype)
+        b = torch.randn(d, 3 * d, device=device, dtype=dtype)
+        out[str(d)] = 2.0 * ROWS * d * 3 * d / _timed(lambda a=a, b=b: a @ b, min_s=0.2, sync=sync)
+    return out
+
+
+def _tcp(size: int) -> tuple[float, float]:
+    """Loopback TCP: bytes/s of a ``size`` send, and one 64-byte round trip."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(1 << 20):
+                if len(data) == 64:
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ping = b"x" * 64
+    latency = _timed(lambda: (client.sendall(ping), client.recv(64)), min_s=0.2)
+    blob = b"y" * size
+    rate = size / _timed(lambda: client.sendall(blob), min_s=0.3)
+    client.close()
+    thread.join(timeout=5)
+    server.close()
+    return rate, latency
+
+
+def _pipe_round_trip() -> float:
+    """A 2 KiB message to a child process and back: an owner <-> rank step's floor."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if platform.system() == "Linux" else "spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_echo_pipe, args=(there,), daemon=True)
+    child.start()
+    msg = b"z" * 2048
+    took = _timed(lambda: (here.send_bytes(msg), here.recv_bytes()), min_s=0.2)
+    here.send_bytes(b"")
+    child.join(timeout=5)
+    return took
+
+
+def _collectives(device: str) -> tuple[float, float]:
+    """(all-reduce, send/recv hop) seconds between two processes, median of many."""
+    import multiprocessing as mp
+    import tempfile
+
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU: nothing to measure
+            return 0.0, 0.0
+    ctx = mp.get_context("spawn")
+    answer = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_collective_rank, args=(r, f"{tmp}/store", device, answer)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = answer.get(timeout=300)
+        for p in procs:
+            p.join(timeout=60)
+    return got
+
+
+def _collective_rank(rank: int, store: str, device: str, answer) -> None:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    x = torch.ones(4, 1024, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(fn, n=60) -> float:
+        took = []
+        for _ in range(n):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            took.append(time.perf_counter() - start)
+        return statistics.median(took[5:])
+
+    reduce = timed(lambda: dist.all_reduce(x))
+    hop = timed(lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0))
+    if rank == 0:
+        answer.put((reduce, hop))
+    dist.destroy_process_group()
+
+
+def _echo_pipe(conn) -> None:
+    while msg := conn.recv_bytes():
+        conn.send_bytes(msg)
+
+
+def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
+    """A served tiny-model decode step (batch 1) less its compute."""
+    from pdflow.spec.dtypes import dtype_bytes
+    from pdflow.spec.load import compose_spec
+
+    model = compose_spec(["model=tiny"]).model
+    params = model.layers * model.params_per_layer() + model.vocab * model.hidden
+    compute = max(2.0 * params / gemm, dtype_bytes(model.stored_weight_dtype) * params / mem)
+    return max(0.0, step_s - compute)
+
+
+def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
+    """``step_probe(device)``: seconds of one served decode step (``pdflow.serve.step_probe``,
+    which the command passes in: serving sits above this package)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    threads = torch.get_num_threads()
+    gemm = _gemm(torch, device, 1024 if device == "cpu" else 8192, sync)
+    torch.set_num_threads(1)
+    try:
+        gemm_one = _gemm(torch, "cpu", 512, sync) if device == "cpu" else gemm
+    finally:
+        torch.set_num_threads(threads)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    out = torch.empty_like(big)
+    mem = 2 * big.numel() / _timed(lambda: out.copy_(big), sync=sync)
+    host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=device != "cpu")
+    host_copy = big.numel() / _timed(lambda: host.copy_(big, non_blocking=False), sync=sync)
+    tcp_rate, tcp_latency = _tcp(16 << 20)
+    rates = {"mooncake": tcp_rate, "gloo": tcp_rate}
+    latencies = {"mooncake": tcp_latency, "gloo": tcp_latency}
+    if device.startswith("cuda"):
+        for name in ("nccl", "cuda_ipc"):  # one host: device-to-device copies
+            rates[name], latencies[name] = mem / 2, 20e-6
+    by_dim = _gemm_by_dim(torch, device, sync)
+    allreduce, hop = _collectives(device)
+    served = step_probe(device) if step_probe else 0.0
+    rank_step = 0.0
+    if step_probe and device == "cpu":
+        from pdflow.spec.load import compose_spec
+
+        layers = compose_spec(["model=tiny"]).model.layers
+        rank_step = max(0.0, step_probe(device, 2) - served / 2 - 2 * layers * allreduce)
+    return MachineProfile(
+        device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=os.cpu_count() or 1,
+        gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
+        transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
+        step_overhead_s=_step_overhead(served, gemm, mem) if step_probe else 0.0,
+        allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
+    )
+
+
+def main(argv: list[str] | None = None, step_probe=None) -> int:
+    parser = argparse.ArgumentParser(prog="pdflow profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU 0)")
+    parser.add_argument("--out", default=None, help=f"where to save it (default: ${PROFILE_ENV}, else {DEFAULT_PATH})")
+    args = parser.parse_args(argv)
+    profile = measure(args.device, step_probe)
+    path = profile.save(Path(args.out).expanduser() if args.out else default_path())
+    for key, value in asdict(profile).items():
+        print(f"{key:26} {value}")
+    print(f"\nsaved: {path}")
+    return 0

@@ -1,0 +1,134 @@
+"""Estimate vs measured: prefill tok/s and decode tok/s per deployment, and the fraction
+of points within +-25% (issue 32's acceptance: >= 80%).
+
+Each point is a deployment (Hydra overrides) served like ``pdflow run`` serves it; two
+workloads measure it: ``prefill`` (``--prompt`` tokens, ``--concurrency`` at a time, one
+output token: prompt tokens/s) and ``serve`` with fixed lengths (16-token prompts,
+``--output`` tokens each, ``--concurrency`` at once: decode tokens/s = concurrency /
+mean time per output token). The estimate prices the same graph with the machine
+profile, measured at the start of this run unless ``--profile FILE`` is given.
+
+  python scripts/bench_estimate.py                       # CPU, tiny model, the CPU points
+  python scripts/bench_estimate.py --points gpu --device cuda   # one H200 (see bench/RESULTS.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+POINTS = {
+    "cpu": [
+        ["mode=monolithic", "decode=tp1"],
+        ["mode=monolithic", "decode=tp2"],
+        ["mode=monolithic", "decode=tp1", "decode.pp=2", "decode.layer_partition=[4,4]"],
+        ["mode=monolithic", "decode=tp4"],
+        ["prefill=tp1", "decode=tp1"],
+        ["prefill=pp2", "decode=tp2"],
+        ["prefill=tp2", "decode=tp2"],
+        ["prefill=pp4", "decode=tp4"],
+    ],
+    "gpu": [
+        [f"model={m}", "model.path=null", "mode=monolithic", "decode=tp1", "decode.device=cuda",
+         "prefill.device=cuda"] for m in ("qwen3-0.6b", "llama3-8b")
+    ] + [
+        [f"model={m}", "model.path=null", "prefill=tp1", "decode=tp1", "decode.device=cuda", "prefill.device=cuda",
+         "decode.device_offset=0"] for m in ("qwen3-0.6b", "llama3-8b")
+    ],
+}
+COMMON = ["drafter=none", "tracking=off", "workload.progress=false"]
+
+
+def measure_point(overrides: list[str], args) -> dict:
+    """Serve the deployment once per workload (a fresh process: nothing cached between)."""
+    code = f"""
+import json, sys
+from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
+from pdflow.serve.launch import serve_spec
+from pdflow.spec.load import compose_spec
+out = {{}}
+for name, extra in (("prefill", ["workload=prefill", "workload.num_requests={args.requests}",
+                                 "workload.prompt_tokens={args.prompt}", "workload.concurrency={args.concurrency}"]),
+                    ("decode", ["workload=serve", "workload.num_requests={args.concurrency}",
+                                "workload.concurrency={args.concurrency}", "workload.input_len=[16,16]",
+                                "workload.output_len=[{args.output},{args.output}]"])):
+    spec = compose_spec(sys.argv[1:] + extra)
+    with serve_spec(spec, port=0) as served:
+        target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
+        result = run_workloads_sync(target, prepare(build_workloads(spec.workload, vocab=spec.model.vocab)),
+                                    spec.workload)
+    if name == "prefill":
+        out["prefill_tok_s"] = result.metrics["prompt_throughput_tok_s"]
+    else:
+        tpot = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in result.rows
+                if r["ok"] and r["completion_tokens"] > 1]
+        out["decode_tok_s"] = len(tpot) / (sum(tpot) / len(tpot)) if tpot else float("nan")
+print("RESULT " + json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", code, *COMMON, *overrides], capture_output=True, text=True,
+                          timeout=args.timeout)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        return {"error": (done.stderr or done.stdout)[-400:]}
+    return json.loads(line[len("RESULT "):])
+
+
+def estimate_point(overrides: list[str], profile, args) -> dict:
+    from pdflow.bench.estimate import Pricer, tokens_per_forward
+    from pdflow.graph import CONSUMER, PRODUCER, build_graph
+    from pdflow.spec.load import compose_spec
+
+    graph = build_graph(compose_spec([*COMMON, *overrides]))
+    role = CONSUMER if graph.producer is None else PRODUCER
+    _, prefill = Pricer(graph=graph, profile=profile, role=role).prefill(args.prompt, args.concurrency)
+    step = Pricer(graph=graph, profile=profile, role=CONSUMER).step_s(args.concurrency, 16 + args.output // 2,
+                                                                       args.concurrency)
+    depth = Pricer(graph=graph, profile=profile, role=CONSUMER).depth(args.concurrency)
+    return {"prefill_tok_s": prefill, "decode_tok_s": args.concurrency * tokens_per_forward(graph) * depth / step}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", default="cpu", choices=sorted(POINTS))
+    parser.add_argument("--only", default=None, help="comma-separated point numbers (from 0)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", default=None, help="a saved profile (default: measure one now)")
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--timeout", type=int, default=900)
+    args = parser.parse_args()
+    from pdflow.bench.profile import MachineProfile, measure
+    from pdflow.serve.step_probe import served_step_s
+
+    profile = MachineProfile.load(Path(args.profile)) if args.profile else measure(args.device, served_step_s)
+    points = POINTS[args.points]
+    chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(points))
+    print("| point | prefill tok/s est | measured | est/meas | decode tok/s est | measured | est/meas |")
+    print("|---|---|---|---|---|---|---|")
+    within, total = 0, 0
+    for i in chosen:
+        overrides = points[i]
+        est, got = estimate_point(overrides, profile, args), measure_point(overrides, args)
+        if "error" in got:
+            print(f"| {' '.join(overrides)} | failed: {got['error']!r} |", flush=True)
+            continue
+        cells = []
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            ratio = est[key] / got[key]
+            within += abs(ratio - 1) <= 0.25
+            total += 1
+            cells += [f"{est[key]:.4g}", f"{got[key]:.4g}", f"{ratio:.2f}"]
+        print(f"| {' '.join(overrides)} | " + " | ".join(cells) + " |", flush=True)
+    print(f"\nwithin +-25%: {within}/{total} = {within / max(1, total):.0%} "
+          f"(profile: step overhead {profile.step_overhead_s * 1e3:.3g} ms, GEMM {profile.gemm_flops_s / 1e9:.3g} "
+          f"GFLOP/s, {profile.cores} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The deployment search: ``pdflow run -m +experiment=search_tiny`` under Hydra's Optuna
+sweeper makes one MLflow parent with a child per trial, counts the trials the estimate
+pruned, and logs the Pareto front on the parent (sqlite in a temp dir). The profile here
+makes every step cost 100 s, so every trial is pruned before launch: the structure is
+what is tested, in seconds. The front itself is tested on plain runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from pdflow.bench.profile import MachineProfile
+from pdflow.tracking.pareto import best_run, front, points
+
+pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+
+
+def _run(name: str, **metrics) -> SimpleNamespace:
+    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name), data=SimpleNamespace(metrics=metrics, tags={}))
+
+
+def test_pareto_front_keeps_the_undominated_and_best_is_goodput_per_device():
+    runs = [
+        _run("a", ttft_p99_s=1.0, output_tok_s_per_device=10.0, goodput_per_device=0.5),
+        _run("b", ttft_p99_s=2.0, output_tok_s_per_device=30.0, goodput_per_device=0.9),
+        _run("c", ttft_p99_s=3.0, output_tok_s_per_device=20.0, goodput_per_device=1.2),  # dominated by b
+        _run("d", ttft_p99_s=0.5, output_tok_s_per_device=5.0),
+        _run("pruned", goodput_per_device=0.0),  # never measured: not a point
+    ]
+    assert [p[0].info.run_name for p in front(points(runs))] == ["d", "a", "b"]
+    best, metric = best_run(runs)
+    assert best.info.run_name == "c" and metric == "goodput_per_device"
+
+
+def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_path):
+    profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
+                             mem_bytes_s=1e10, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9, "gloo": 1e9},
+                             transfer_latency_s={"mooncake": 1e-4, "gloo": 1e-4}, rank_message_s=1e-4,
+                             step_overhead_s=100.0).save(tmp_path / "profile.json")
+    db = tmp_path / "mlflow.db"
+    env = os.environ | {"PDFLOW_PROFILE": str(profile)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pdflow.cli", "run", "-m", "+experiment=search_tiny", "hydra.sweeper.n_trials=3",
+         f"tracking.uri=sqlite:///{db}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("pdflow").experiment_id
+    parents = client.search_runs([exp], "tags.`pdflow.sweep` = 'true'")
+    assert len(parents) == 1
+    parent = parents[0]
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 3
+    assert all("pdflow.pruned" in c.data.tags and "TTFT" in c.data.tags["pdflow.pruned"] for c in children)
+    assert all(c.data.metrics["est_goodput_req_s"] == 0 for c in children)
+    assert parent.data.tags["pdflow.sweep.pruned"] == "3"
+    assert client.get_run(parent.info.run_id).data.tags["pdflow.sweep.children"] == "3"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"pareto.png", "comparison.md"} <= artifacts
+
+
+def test_a_run_logs_the_estimate_beside_what_it_measured(tmp_path):
+    from pdflow.graph import build_graph
+    from pdflow.spec.load import compose_spec
+    from pdflow.tracking.estimate_log import measured_extras, plan_run
+    from pdflow.tracking.run_logger import TrackedRun
+
+    profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
+                             mem_bytes_s=1e10, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9},
+                             transfer_latency_s={"mooncake": 1e-4}, step_overhead_s=0.01).save(tmp_path / "p.json")
+    graph = build_graph(compose_spec(["workload=serve", "workload.slo.ttft_s=60", "prefill=tp2", "decode=tp2",
+                                      "drafter=none"]))
+    planned = plan_run(TrackedRun(None, run_name="x"), graph, profile)
+    assert planned.pruned is None and planned.devices == 4 and planned.estimate.goodput_req_s > 0
+    extras = measured_extras(planned, {"goodput_req_s": 2.0, "output_throughput_tok_s": 40.0, "ttft_p50_s": 0.5})
+    assert extras["goodput_per_device"] == 0.5 and extras["output_tok_s_per_device"] == 10.0
+    assert extras["goodput_est_over_measured"] == pytest.approx(planned.estimate.goodput_req_s / 2.0)
+    assert extras["ttft_est_over_measured"] == pytest.approx(planned.estimate.ttft_s[planned.estimate.input_len] / 0.5)
