@@ -52,15 +52,7 @@ SERVE_A_MIX = textwrap.dedent("""
 """)
 
 
-# Known gap (H200, 2026-12-01): with DSpark, two split counts of the decode kernel (one
-# `_paged_split_kernel` + `_merge_splits_kernel` pair each) still compile inside the mix's
-# requests after the warm-up; which step shape meets them is not found yet (the cold-start
-# bench's TTFT/ITL ratios were 1.0x on the one-GPU P/D command). Strict: it fails once fixed.
-DSPARK_GAP = pytest.mark.xfail(strict=True, reason="two decode-kernel split counts compile after ready with DSpark")
-
-
-@pytest.mark.parametrize("overrides", [ONE_GPU, pytest.param(MONOLITHIC_DSPARK, marks=DSPARK_GAP)],
-                         ids=["one-gpu-pd", "monolithic-dspark"])
+@pytest.mark.parametrize("overrides", [ONE_GPU, MONOLITHIC_DSPARK], ids=["one-gpu-pd", "monolithic-dspark"])
 def test_no_kernel_compiles_after_ready(tmp_path, overrides):
     import torch
 

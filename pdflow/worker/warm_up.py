@@ -82,7 +82,10 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows
                               drafts=verify - 1 if num_drafts else 0))
     # A verify of every sequence runs k+1 rows each as decode; a step holds at most n tokens.
     rows = min(n, max(max_num_seqs * (num_drafts + 1), SHORT_STEP_ROWS))
-    for b in decode_batches(rows, split_of, eager_from=graphed_rows + 1):
+    # From one row, not from past the graphs: a verify, a mixed or a sampled step runs its
+    # rows eagerly at any count, and the graphs' capture compiled only their buckets' splits
+    # (seen on an H200: split counts 9, 10 and 14 compiled inside requests with DSpark).
+    for b in decode_batches(rows, split_of, eager_from=1):
         lens = tuple(max(1, n - 7 * i) for i in range(b))
         classes.append(ShapeClass(name=f"decode batch {b}", q_lens=(1,) * b, context_lens=lens))
     return classes
