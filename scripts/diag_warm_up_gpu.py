@@ -28,6 +28,7 @@ def _class(v) -> str:
 
 def main() -> None:
     import pdflow.kernels.decode_attention as da
+
     from pdflow import Deployment, SamplingParams, compose
 
     names = list(inspect.signature(da._paged_split_kernel.fn).parameters)
