@@ -40,8 +40,8 @@ def _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
 
 
 # The block table's row stride grows with the longest context in a step: specialized on
-# (1, a multiple of 16, other) it compiled mid-request on a cold start (issue 31); it only
-# indexes scalar loads, so it is not specialized.
+# (1, a multiple of 16, other) it would compile anew inside requests that no warm-up step
+# foresaw; it only indexes scalar loads, so it is not specialized.
 @triton.jit(do_not_specialize=["s_bt"])
 def _paged_split_kernel(
     q_ptr, kc_ptr, vc_ptr, kx_ptr, vx_ptr, lens_ptr, bt_ptr, o_ptr, ml_ptr,

@@ -74,8 +74,8 @@ def prefill_tiles(itemsize: int, head_dim: int, group_pad: int, smem_limit: int)
 
 
 # Per-step integers (tiles, batch x heads, the block table's row stride) are not
-# specialized: each class of them (1, a multiple of 16, other) compiled anew mid-request on
-# a cold start (issue 31), and they only index tiles and scalar loads.
+# specialized: each class of them (1, a multiple of 16, other) would compile anew inside
+# requests, and they only index tiles and scalar loads.
 @triton.jit(do_not_specialize=["n_bh", "n_m", "s_bt"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, lens_ptr, bt_ptr, o_ptr,

@@ -126,7 +126,7 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
             metrics = result.metrics | server_gauges(served.url, served.api_key) | {"startup_s": startup_s}
         metrics |= measured_extras(planned, metrics)
         tracked.set_tags(hardware_tags())  # now with the devices the run has loaded
-        print_results(spec.name, result, metrics)
+        print_results(spec.name, result, planned.metrics | metrics)  # --all: every metric the run logs
         tracked.log_metrics(metrics)
         tracked.log_json("results.json", result.rows)
         from pdflow.tracking.compare import markdown

@@ -32,7 +32,12 @@ RUNS = {
     "tp_prefills": (["-m", "prefill=pp2,tp2,tp4", "decode=tp1", "drafter=none", "tracking=off", *HF_TINY], 3),
     "tp8_eagle3": (["prefill=tp1", "decode=tp8", "drafter=eagle3", "workload=prefill", "tracking=off",
                     "transfer=cuda_ipc"], 1),
+    "goodput": (["workload=serve_slo_tiny", "mode=monolithic", "decode=tp1", "drafter=none",
+                 "workload.slo.max_probes=1"], 1),
 }
+# Options run by another test: the search and the hand grid are sweeps of many deployments
+# (tests/test_search.py runs both, every trial pruned by the estimate).
+ELSEWHERE = {"experiment": {"search_tiny", "grid_tiny"}}
 # name -> (sweep arguments, jobs, refusal codes every job is tagged with). Nothing launches.
 REFUSED = {
     "too_big_for_cpu": (["-m", "model=llama3-8b,qwen3-8b,qwen3-0.6b,minimax-m3,qwen3-30b-a3b"], 5, {"KV_POOL_EMPTY"}),
@@ -98,7 +103,7 @@ def test_options_this_host_cannot_run_are_refused_by_name(name, launch_dir):
 
 def test_every_conf_option_is_covered():
     """Each option of each group runs in RUNS or is refused in REFUSED."""
-    covered: dict[str, set[str]] = {}
+    covered: dict[str, set[str]] = {g: set(o) for g, o in ELSEWHERE.items()}
     for args in [a for a, _ in RUNS.values()] + [a for a, _, _ in REFUSED.values()]:
         for group, options in _named(args).items():
             covered.setdefault(group, set()).update(options)

@@ -106,3 +106,10 @@ def test_a_real_gpu_sizes_the_pool_from_its_memory():
     graph = build_graph(spec, facts).raise_if_refused()
     assert _usable(graph, "decode") == int(0.45 * gpu.total_bytes)
     assert "read at start" in graph.budgets["decode"].sizing
+
+
+def test_asking_a_monolithic_graph_for_its_prefill_instance_says_what_to_do():
+    graph = build_graph(compose_spec(["mode=monolithic", "decode=tp1"]))
+    assert graph.producer is None and not graph.refusals
+    with pytest.raises(ValueError, match="mode=pd"):
+        graph.instance("prefill")

@@ -60,7 +60,7 @@ def test_a_declared_model_pointed_at_another_checkpoint_is_refused(qwen3_ckpt):
 
 
 def test_model_hf_without_a_path_says_what_to_give():
-    with pytest.raises(ValueError, match="model.path=<HF checkpoint folder>"):
+    with pytest.raises(ValueError, match=r"model.path=<HF checkpoint folder \(with config.json\) or hub id>"):
         compose_spec(["model=hf"])
 
 

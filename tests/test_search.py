@@ -36,7 +36,10 @@ def test_pareto_front_keeps_the_undominated_and_best_is_goodput_per_device():
     assert best.info.run_name == "c" and metric == "goodput_per_device"
 
 
-def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_path):
+@pytest.mark.parametrize(("experiment", "jobs"), [("search_tiny", 3), ("grid_tiny", 8)])
+def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_path, experiment, jobs):
+    """The Optuna search, and the hand grid it must beat (Hydra's basic sweeper): the same
+    parent/child structure, every trial pruned by the estimate."""
     profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
                              mem_bytes_s=1e10, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9, "gloo": 1e9},
                              transfer_latency_s={"mooncake": 1e-4, "gloo": 1e-4}, rank_message_s=1e-4,
@@ -44,8 +47,8 @@ def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_pa
     db = tmp_path / "mlflow.db"
     env = os.environ | {"PDFLOW_PROFILE": str(profile)}
     out = subprocess.run(
-        [sys.executable, "-m", "pdflow.cli", "run", "-m", "+experiment=search_tiny", "hydra.sweeper.n_trials=3",
-         f"tracking.uri=sqlite:///{db}"],
+        [sys.executable, "-m", "pdflow.cli", "run", "-m", f"+experiment={experiment}",
+         *(["hydra.sweeper.n_trials=3"] if experiment == "search_tiny" else []), f"tracking.uri=sqlite:///{db}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -57,11 +60,11 @@ def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_pa
     assert len(parents) == 1
     parent = parents[0]
     children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert len(children) == 3
+    assert len(children) == jobs
     assert all("pdflow.pruned" in c.data.tags and "TTFT" in c.data.tags["pdflow.pruned"] for c in children)
     assert all(c.data.metrics["est_goodput_req_s"] == 0 for c in children)
-    assert parent.data.tags["pdflow.sweep.pruned"] == "3"
-    assert client.get_run(parent.info.run_id).data.tags["pdflow.sweep.children"] == "3"
+    assert parent.data.tags["pdflow.sweep.pruned"] == str(jobs)
+    assert client.get_run(parent.info.run_id).data.tags["pdflow.sweep.children"] == str(jobs)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"pareto.png", "comparison.md"} <= artifacts
 

@@ -41,10 +41,15 @@ def oracle():
     return outs, stop_at, stopped
 
 
+# Children of this process that belong to other servers (started before this module's).
+_OTHERS: set[int] = set()
+
+
 @pytest.fixture(scope="module")
 def served():
     from pdflow.serve.launch import serve_spec
 
+    _OTHERS.update(_server_children(os.getpid()))  # other servers' children (a session fixture's)
     with serve_spec(compose([*OVERRIDES, "serve.api_servers=2"]), port=0) as s:
         yield s
 
@@ -172,12 +177,13 @@ def _url_of(proc) -> str:
 
 
 def _server_children(pid: int) -> list[int]:
-    """Children of every thread of ``pid`` (the supervisor's thread restarts fronts)."""
+    """Children of every thread of ``pid`` (the supervisor's thread restarts fronts), but
+    those of servers this module did not start."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(FileNotFoundError):
             out += [int(c) for c in (task / "children").read_text().split()]
-    return out
+    return [c for c in out if c not in _OTHERS]
 
 
 def _cmdline(pid: int) -> str:

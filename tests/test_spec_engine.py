@@ -134,7 +134,7 @@ class _Calls:
 
 @pytest.mark.parametrize(("kind", "proposes"), [("dspark", False), ("eagle", True)])
 def test_producer_duties(kind, proposes, reference):
-    with _llm(kind, role=PRODUCER) as llm:
+    with _llm(kind, "mode=pd", role=PRODUCER) as llm:  # monolithic plans no prefill side
         calls = _Calls(llm.instance.executor.stage.drafting.drafter)
         first = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1))
         assert calls.commit == llm.engine.steps  # every target step commits

@@ -68,6 +68,9 @@ class RunGraph:
 
     def instance(self, role: str) -> InstancePlan:
         plan = self.producer if role == PRODUCER else self.consumer
+        if plan is None and not self.refusals:
+            raise ValueError(f"the run graph places no {role} instance (mode=monolithic plans the decode "
+                             "side only): use mode=pd for a prefill instance")
         if plan is None:
             raise GraphRefused(self.refusals)
         return plan

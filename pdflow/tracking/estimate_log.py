@@ -8,7 +8,7 @@ launched, so a sweep spends its time on deployments that can win.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdflow.bench.estimate import Estimate, EstimateError, estimate_run
@@ -24,6 +24,8 @@ class PlannedRun:
     devices: int
     estimate: Estimate | None
     pruned: str | None = None  # why, when the estimate says the SLOs cannot be met
+    # What was logged before launch (pools, devices, the estimate's figures).
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def devices_of(graph: RunGraph) -> int:
@@ -50,6 +52,7 @@ def plan_run(tracked, graph: RunGraph, profile_path: Path | None = None) -> Plan
             planned.pruned = "; ".join(planned.estimate.limits)
             tracked.set_tag(PRUNED_TAG, planned.pruned)
     tracked.log_metrics(metrics)
+    planned.metrics = metrics
     return planned
 
 

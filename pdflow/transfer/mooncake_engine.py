@@ -36,7 +36,9 @@ writes have no such check.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +49,7 @@ from pdflow.transfer.errors import TransferError
 from pdflow.transfer.lanes import Lanes
 from pdflow.transfer.native_log import quiet_native_log, set_mooncake_level
 
-__all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError"]
+__all__ = ["INSTALL_HINT", "REGISTRATION_LIMIT", "MooncakeTransport", "TransferError", "TransferStats"]
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU; needs Debian's libibverbs1) "
                 "or mooncake-transfer-engine (CUDA), never both")
@@ -61,6 +63,15 @@ def chunk_bytes(align: int, limit: int = REGISTRATION_LIMIT) -> int:
     if not 0 < align <= limit:
         raise ValueError(f"one block of {align} bytes does not fit one registration of <= {limit} bytes")
     return (limit // align) * align
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferStats:
+    """Counters of engine calls (batches written, and those the engine failed): what the
+    batching and retry tests read."""
+
+    calls: int = 0
+    failures: int = 0
 
 
 class MooncakeTransport:
@@ -90,6 +101,8 @@ class MooncakeTransport:
                 raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned "
                                     f"{rc} {INIT_ATTEMPTS} times; its log:\n{dropped.text()}")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
         self._registered: dict[int, list[int]] = {}  # tensor address -> its chunk addresses
         self._lanes = Lanes()
 
@@ -161,6 +174,9 @@ class MooncakeTransport:
                 raise TransferError(f"write of {len(length)} runs to {peer}: deadline passed "
                                     f"after {attempt} attempts (last rc {rc})")
             rc = self.engine.batch_transfer_sync_write(peer, src, dst, length)
+            with self._stats_lock:
+                self.stats.calls += 1
+                self.stats.failures += rc != 0
             if rc == 0:
                 return
         raise TransferError(f"write of {len(length)} runs ({sum(length)} bytes) to {peer} returned {rc} "
