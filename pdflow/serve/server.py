@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import uvicorn
@@ -56,11 +57,14 @@ class ServerThread:
         self.stop()
 
 
-def wait_healthy(url: str, *, timeout: float) -> None:
-    """Poll ``url``/health until it answers 200; a named error after ``timeout``."""
+def wait_healthy(url: str, *, timeout: float, failed: Callable[[], str | None] = lambda: None) -> None:
+    """Poll ``url``/health until it answers 200; a named error after ``timeout``, or as soon
+    as ``failed()`` says why the server cannot come up."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
+        if (why := failed()) is not None:
+            raise RuntimeError(f"pdflow serve did not start: {why}")
         try:
             r = httpx.get(f"{url}/health", timeout=5.0)
             if r.status_code == 200:

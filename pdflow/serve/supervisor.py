@@ -59,21 +59,9 @@ class Supervisor:
     def wait_ready(self, timeout: float) -> None:
         """Until /health answers 200 (the core's engine is up); a named error if the core
         died first or after ``timeout``."""
-        import httpx
+        from pdflow.serve.server import wait_healthy
 
-        deadline, last = time.monotonic() + timeout, "no answer"
-        while time.monotonic() < deadline:
-            if self.failure is not None:
-                raise RuntimeError(f"pdflow serve did not start: {self.failure}")
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=5.0)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.url} was not healthy within {timeout:.0f}s (last: {last})")
+        wait_healthy(self.url, timeout=timeout, failed=lambda: self.failure)
 
     def pids(self) -> dict[str, list[int]]:
         return {"core": [self.core.pid], "fronts": [f.pid for f in self.fronts if f is not None]}
