@@ -99,8 +99,10 @@ def _drive(args, target, reqs, drive):
 
 
 def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+    """Milliseconds at quantile ``q`` (the project's ``percentile``)."""
+    from pdflow.bench.workloads.stats import percentile
+
+    return percentile(values, q * 100) * 1e3
 
 
 def report(args, offline_tokens: int, offline_s: float, results: list, served_s: float) -> None:

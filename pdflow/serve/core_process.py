@@ -152,8 +152,7 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     folder = deployment.engine.instance.folder if backend.tokenizer is not None else None
     facts = Facts(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size, block_size=backend.block_size,
                   num_kv_blocks=backend.num_kv_blocks, tokenizer_folder=None if folder is None else str(folder))
-    server: CoreServer | None = None
-    metrics = ServeMetrics(backend, num_active=lambda: len(server.core.active) if server else 0)
+    metrics = ServeMetrics(backend, num_active=lambda: len(core.active))  # read at a scrape, once core is set
     admission = AdmissionPolicy(max_queued=spec.serve.max_queued_requests, queue_timeout_s=spec.serve.queue_timeout_s)
     core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=admission)
     server = CoreServer(core, metrics, facts, sock)

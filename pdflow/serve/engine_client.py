@@ -43,7 +43,6 @@ class RemoteTicket:
     rid: str
     events: asyncio.Queue
     text: TextStream
-    cancelled: bool = False
 
 
 class CoreFacts:
@@ -88,10 +87,6 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.error is None and self.facts is not None
 
-    @property
-    def num_active(self) -> int:
-        return len(self.streams)
-
     def open_stream(self, prompt_token_ids: list[int], sampling: SamplingParams) -> tuple[RemoteTicket, asyncio.Queue]:
         rid = f"{self.front}-{next(self._ids)}"
         ticket = RemoteTicket(rid=rid, events=asyncio.Queue(), text=TextStream(self.facts.tokenizer, sampling.stop))
@@ -103,7 +98,6 @@ class EngineClient:
         return ticket, ticket.events
 
     def abort(self, ticket: RemoteTicket) -> None:
-        ticket.cancelled = True
         if self.streams.pop(ticket.rid, None) is not None:
             self._send(Abort(rid=ticket.rid))
 

@@ -22,8 +22,6 @@ from pdflow.serve.admission import Admission, AdmissionPolicy
 from pdflow.serve.backend import ServingBackend
 from pdflow.serve.serving_core import ServingCore, StreamEvent, Ticket
 
-__all__ = ["EngineLoop", "StreamEvent", "Ticket"]
-
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 

@@ -23,10 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.serve.engine_loop import EngineLoop, StreamEvent
+from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.errors import APIError
 from pdflow.serve.logprob_bodies import LogprobRun, chat_logprobs, completion_logprobs, prompt_run
 from pdflow.serve.metrics import ServeMetrics
+from pdflow.serve.serving_core import StreamEvent
 
 _DISCONNECTED = StreamEvent(error="client disconnected", error_status=499)
 

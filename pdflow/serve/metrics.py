@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from pdflow.serve.backend import ServingBackend
-from pdflow.serve.engine_loop import StreamEvent, Ticket
+from pdflow.serve.serving_core import StreamEvent, Ticket
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -30,7 +30,7 @@ from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftStats
-from pdflow.serve.engine_loop import EngineLoop, Ticket
+from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
     PAIR_PATH,
@@ -42,6 +42,7 @@ from pdflow.serve.pd_wire import (
     RemotePrefill,
     WireSampling,
 )
+from pdflow.serve.serving_core import Ticket
 
 IDLE_WAIT_S = 0.005
 EXCHANGE_THREADS = 8

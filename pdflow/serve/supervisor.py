@@ -39,7 +39,6 @@ class Supervisor:
         self.address = f"ipc://{self._dir.name}/core"
         self.core = None
         self.fronts: list = [None] * spec.serve.api_servers
-        self.restarts = 0
         self.failure: str | None = None
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pdflow-supervisor", daemon=True)
@@ -62,9 +61,6 @@ class Supervisor:
         from pdflow.serve.server import wait_healthy
 
         wait_healthy(self.url, timeout=timeout, failed=lambda: self.failure)
-
-    def pids(self) -> dict[str, list[int]]:
-        return {"core": [self.core.pid], "fronts": [f.pid for f in self.fronts if f is not None]}
 
     def stop(self) -> None:
         self._stopping.set()
@@ -105,7 +101,6 @@ class Supervisor:
                     return
                 self.fronts[which].join()
                 self.fronts[which].close()
-                self.restarts += 1
                 self._start_front(which)
 
     def _core_died(self) -> None:
