@@ -131,6 +131,15 @@ class OnePair:
     def landed_exactly(self, src, dst) -> bool:
         return transfer_kit.wrong_units(self.graph, {0: self.producer}, {0: self.consumer}, [(src, dst)]) == []
 
+    def real_producer_lands(self) -> bool:
+        """Pair with the real token, send blocks [1, 3] into [2, 0]: whether they landed exactly."""
+        peer = self.peer(transfer_kit.PAIRING)
+        try:
+            transfer_kit.send(peer, [1, 3], [2, 0])
+            return self.landed_exactly([1, 3], [2, 0])
+        finally:
+            peer.close()
+
 
 @pytest.mark.parametrize("transfer", MOVERS)
 def test_a_listener_refuses_a_hello_without_its_pairing_token(graph_of, transports, transfer):
@@ -145,10 +154,7 @@ def test_a_listener_refuses_a_hello_without_its_pairing_token(graph_of, transpor
             with pytest.raises(TransferError, match="unknown hello"):
                 pair.peer(token)
         assert pair.untouched() and pair.listener._sessions == []
-        peer = pair.peer(transfer_kit.PAIRING)
-        transfer_kit.send(peer, [1, 3], [2, 0])
-        assert pair.landed_exactly([1, 3], [2, 0])
-        peer.close()
+        assert pair.real_producer_lands()
     finally:
         pair.listener.close()
 
@@ -201,10 +207,7 @@ def test_a_listener_survives_garbage_and_serves_the_real_producer(graph_of, tran
         for frame in frames:
             with socket.create_connection((host, int(port)), timeout=5) as s:
                 s.sendall(frame)
-        peer = pair.peer(transfer_kit.PAIRING)
-        transfer_kit.send(peer, [1, 3], [2, 0])
-        assert pair.landed_exactly([1, 3], [2, 0])
-        peer.close()
+        assert pair.real_producer_lands()
     finally:
         pair.listener.close()
 

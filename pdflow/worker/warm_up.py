@@ -53,16 +53,14 @@ def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]
     return sorted(sizes)
 
 
-def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, graphed_rows: int = 0,
-                  num_drafts: int = 0) -> list[ShapeClass]:
+def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: int = 0) -> list[ShapeClass]:
     """What a rank's steps can look like, within ``tokens`` new tokens a step (contexts
     too: the pool holds them). On CPU
     (``split_of`` None) only the decode op compiles: one decode step loads it. On a GPU:
     a long prefill (the %16 class), a chunk after a prefix and a two-sequence prefill (odd
     lengths), a short step and a verify (rows as decode), and decode batches: one per
-    split count of the decode kernel among the row counts no captured graph takes (up to
-    ``graphed_rows`` a decode step replays a graph, whose capture compiled its splits;
-    short steps bring up to SHORT_STEP_ROWS rows). With ``num_drafts`` k, the verify is
+    split count of the decode kernel from one row up (short steps bring up to
+    SHORT_STEP_ROWS rows). With ``num_drafts`` k, the verify is
     [anchor, k drafts]."""
     n = max(1, tokens)
     if split_of is None:
@@ -142,7 +140,6 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
-                            graphed_rows=stage.graphs.max_batch if stage.graphs is not None else 0,
                             num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0)
     total = len(classes) + (1 if stage.graphs is not None else 0) + (1 if stage.drafted_graphs is not None else 0)
     dtype = next(stage.model.parameters()).dtype
