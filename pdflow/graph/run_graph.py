@@ -84,6 +84,10 @@ class RunGraph:
             None,
         )
 
+    def consumer_ranks_of(self, producer_rank: int) -> list[int]:
+        """The consumer ranks a producer rank's cut plans write into."""
+        return sorted({c.consumer_rank for c in self.cuts if c.producer_rank == producer_rank})
+
     def to_dict(self) -> dict:
         """Plain data for ``pdflow plan --json`` and for logging."""
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "spec"}

@@ -217,8 +217,7 @@ class _Session:
 
     def _refusal(self, hello: P2PHello) -> tuple[str, CutPlan | None]:
         lis = self.listener
-        cut = next((c for c in lis.graph.cuts
-                    if c.producer_rank == hello.producer_rank and c.consumer_rank == lis.rank), None)
+        cut = lis.graph.cut(hello.producer_rank, lis.rank)
         if cut is None:
             return f"no cut plan joins producer rank {hello.producer_rank} to consumer rank {lis.rank}", None
         plan = cut.over(set(hello.units))

@@ -106,7 +106,7 @@ class KVLink:
         # Producer side: consumer instance id -> its ranks' peers. Replaced whole (never
         # mutated in place) as consumers pair, so the sender's thread reads it unlocked.
         self.consumers: dict[str, ConsumerPeers] = {}
-        self._consumer_ranks = sorted({c.consumer_rank for c in graph.cuts if c.producer_rank == rank})
+        self._consumer_ranks = graph.consumer_ranks_of(rank)
 
     def open(self, key: bytes) -> KVEndpoint:
         """Take the consumer owner's pairing key (the listener checks producers' hellos and
