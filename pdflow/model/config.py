@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pdflow.spec.checkpoint import GEOMETRY_KEYS, geometry_mismatches, hf_architecture, hf_geometry
+from pdflow.spec.model import is_sparse_layer
 
 # Architectures whose attention normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -51,8 +52,7 @@ class DecoderConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' rule: sparse unless in mlp_only_layers, every decoder_sparse_step-th."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return is_sparse_layer(layer, self.num_experts, self.mlp_only_layers, self.decoder_sparse_step)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:

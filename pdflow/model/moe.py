@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdflow.kernels.reference_moe import route
 from pdflow.model import fused as fusion
 from pdflow.model.config import DecoderConfig
 from pdflow.model.layers import _all_reduce, _divide
@@ -81,11 +82,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, K] in x's dtype, expert ids [T, K])."""
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return route(F.linear(x, self.weight), self.top_k, self.renormalize)
 
 
 class SparseMoeBlock(nn.Module):

@@ -9,6 +9,12 @@ from omegaconf import MISSING
 from pdflow.spec.dtypes import canonical_dtype
 
 
+def is_sparse_layer(layer: int, experts: int, mlp_only_layers: list[int] | None, sparse_step: int) -> bool:
+    """transformers' Qwen3-MoE rule: global ``layer`` holds experts unless the model is
+    dense or lists it in ``mlp_only_layers``, and when (layer + 1) % ``sparse_step`` == 0."""
+    return experts > 0 and layer not in (mlp_only_layers or ()) and (layer + 1) % sparse_step == 0
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelSpec:
     """A GQA decoder's geometry; ``path`` points at a HF checkpoint when one is served."""
@@ -92,8 +98,7 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global ``layer`` holds experts (transformers' Qwen3-MoE rule)."""
-        return (self.experts > 0 and layer not in (self.mlp_only_layers or ())
-                and (layer + 1) % self.sparse_step == 0)
+        return is_sparse_layer(layer, self.experts, self.mlp_only_layers, self.sparse_step)
 
     def moe_params_per_layer(self) -> int:
         """Attention, the router and every expert's SwiGLU (all held: no expert parallelism)."""
