@@ -86,19 +86,19 @@ def block_budget(
     par: ParallelSpec,
     drafter: DrafterSpec,
     num_taps: int,
-    transfer_bytes: dict[int, int] | None = None,
-    usable: dict[int, int] | None = None,
-    sizing: str = "",
+    transfer_bytes: dict[int, int],
+    usable: dict[int, int],
+    sizing: str,
 ) -> BlockBudget:
-    """``transfer_bytes``: rank -> bytes its KV transfer pairs hold (none by default);
-    ``usable``: rank -> bytes it may use in all (``graph/memory.py``)."""
+    """``transfer_bytes``: rank -> bytes its KV transfer pairs hold (absent: none);
+    ``usable``: rank -> bytes it may use in all and ``sizing`` how (``graph/memory.py``)."""
     stages = []
     for stage in instance.stages:
         per_block = sum(u.bytes_per_block for u in stage.ranks[0].units)
         weights = _stage_weights(model, par, drafter, stage, num_taps)
         act = _activation_bytes(model, par, stage.index == par.pp - 1)
-        transfer = max((transfer_bytes or {}).get(r.rank, 0) for r in stage.ranks)
-        room = min((usable or {}).get(r.rank, 0) for r in stage.ranks)
+        transfer = max(transfer_bytes.get(r.rank, 0) for r in stage.ranks)
+        room = min(usable[r.rank] for r in stage.ranks)
         blocks = max(0, (room - weights - act - transfer) // per_block) if per_block else 0
         stages.append(
             StageBudget(
