@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from pdflow.bench.profile import MachineProfile
-from pdflow.graph import CONSUMER, PRODUCER, RunGraph
+from pdflow.graph import CONSUMER, PRODUCER, RunGraph, parallel_of
 from pdflow.spec import SloSpec
 from pdflow.spec.dtypes import dtype_bytes
 
@@ -74,7 +74,7 @@ class Pricer:
     role: str
 
     def __post_init__(self) -> None:
-        device = self.graph.spec.decode.device if self.role == CONSUMER else self.graph.spec.prefill.device
+        device = self.par.device
         kind = "cpu" if device == "cpu" else "cuda"
         if kind != self.profile.device:
             raise EstimateError(f"the profile measured {self.profile.device}, the {self.role} side runs on {device}; "
@@ -82,7 +82,7 @@ class Pricer:
 
     @property
     def par(self):
-        return self.graph.spec.prefill if self.role == PRODUCER else self.graph.spec.decode
+        return parallel_of(self.graph.spec, self.role)
 
     def _stage_s(self, stage, tokens: int, context: int, rows: int) -> float:
         m, par, prof = self.graph.spec.model, self.par, self.profile
@@ -92,8 +92,8 @@ class Pricer:
         flops = 2.0 * tokens * matmul / inst.tp
         flops += 4.0 * m.heads * m.head_dim * tokens * context * layers / inst.tp
         weight_bytes = matmul * dtype_bytes(m.stored_weight_dtype) / inst.tp
-        kv_bytes = sum(u.bytes_per_block for u in stage.ranks[0].units) * context / max(1, par.block_size) \
-            * max(1, rows)
+        kv_bytes = self.graph.budgets[self.role].stages[stage.index].bytes_per_block * context \
+            / max(1, par.block_size) * max(1, rows)
         if stage.index == inst.pp - 1:
             flops += 2.0 * rows * m.vocab * m.hidden
             weight_bytes += m.vocab * m.hidden * dtype_bytes(m.stored_weight_dtype)
@@ -153,13 +153,16 @@ class Pricer:
         alone = sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
-        inst = self.graph.instance(self.role)
-        depth = min(self.par.steps_in_flight, inst.pp)
-        if self.profile.device == "cpu":  # stages overlap only on spare cores
-            depth = min(depth, max(1, self.profile.cores // inst.tp))
+        depth = self.depth(self.graph.instance(self.role).pp)
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
         per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest)
         return alone, tokens / per_step
+
+
+def devices_of(graph: RunGraph) -> int:
+    """Devices the deployment holds: a rank each, on every side it runs."""
+    roles = (CONSUMER,) if graph.producer is None else (PRODUCER, CONSUMER)
+    return sum(graph.instance(r).tp * graph.instance(r).pp for r in roles)
 
 
 def transfer_s(graph: RunGraph, profile: MachineProfile, length: int) -> float:
@@ -231,8 +234,7 @@ def estimate(graph: RunGraph, profile: MachineProfile, *, slo: SloSpec | None = 
     context = input_len + output_len // 2
     step = {b: decode.step_s(b * (k + 1), context, b) for b in batches}
     out = Estimate(
-        devices=sum(graph.instance(r).tp * graph.instance(r).pp for r in ((CONSUMER,) if graph.producer is None
-                                                                           else (PRODUCER, CONSUMER))),
+        devices=devices_of(graph),
         pool_blocks={role: b.pool_blocks for role, b in graph.budgets.items()},
         prefill_tok_s=rate, ttft_s=ttft, decode_step_s=step,
         decode_tok_s={b: b * tpf * decode.depth(b) / s for b, s in step.items()},

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdflow.bench.estimate import Estimate, EstimateError, estimate_run
+from pdflow.bench.estimate import Estimate, EstimateError, devices_of, estimate_run
 from pdflow.bench.profile import MachineProfile, default_path
-from pdflow.graph import CONSUMER, PRODUCER, RunGraph
+from pdflow.graph import RunGraph
 
 PRUNED_TAG = "pdflow.pruned"
 OBJECTIVE = "goodput_per_device"
@@ -26,11 +26,6 @@ class PlannedRun:
     pruned: str | None = None  # why, when the estimate says the SLOs cannot be met
     # What was logged before launch (pools, devices, the estimate's figures).
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def devices_of(graph: RunGraph) -> int:
-    roles = (CONSUMER,) if graph.producer is None else (PRODUCER, CONSUMER)
-    return sum(graph.instance(r).tp * graph.instance(r).pp for r in roles)
 
 
 def plan_run(tracked, graph: RunGraph, profile_path: Path | None = None) -> PlannedRun:
