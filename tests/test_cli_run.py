@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import openai
+import proc_helpers
 import pytest
 
 from pdflow.tracking import store
@@ -146,9 +147,8 @@ def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
         assert url, "".join(seen)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
-        children = [int(c) for task in Path(f"/proc/{proc.pid}/task").glob("*")
-                    for c in (task / "children").read_text().split()]
-        assert len(children) == 2, children  # the engine core and one API front
+        kids = proc_helpers.children(proc.pid)
+        assert len(kids) == 2, kids  # the engine core and one API front
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -159,4 +159,4 @@ def test_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm(tmp_path):
     assert "pdflow serve: stopped" in out
     everything = "".join(seen) + out
     assert GLOG_LINE.search(everything) and "Local segment descriptor not found" in everything, everything[-3000:]
-    assert not [c for c in children if Path(f"/proc/{c}").exists()], "children left running after SIGTERM"
+    assert not [c for c in kids if Path(f"/proc/{c}").exists()], "children left running after SIGTERM"

@@ -6,7 +6,6 @@ an OpenAI error body and a failed server (``pdflow serve`` exits 3), never a han
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import proc_helpers
 import pytest
 
 from pdflow import Deployment, SamplingParams, compose
@@ -179,11 +179,7 @@ def _url_of(proc) -> str:
 def _server_children(pid: int) -> list[int]:
     """Children of every thread of ``pid`` (the supervisor's thread restarts fronts), but
     those of servers this module did not start."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return [c for c in out if c not in _OTHERS]
+    return [c for c in proc_helpers.children(pid) if c not in _OTHERS]
 
 
 def _cmdline(pid: int) -> str:
