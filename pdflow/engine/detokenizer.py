@@ -5,6 +5,20 @@ from __future__ import annotations
 from pdflow.engine.sequence import Sequence
 
 
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string in ``text`` begins, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def stable_end(text: str, released: int, stops: list[str]) -> int:
+    """How far the text of an unfinished request may be released: never a half-decoded
+    character, never the tail that could still become a stop string."""
+    end = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+    hold = max((len(s) for s in stops), default=1) - 1
+    return max(released, end - hold)
+
+
 class Detokenizer:
     """Decodes a sequence's output so far. Text is released only when it is stable:
     never a half-decoded character, and never the tail that could still become a
@@ -27,11 +41,10 @@ class Detokenizer:
         """Record where the first stop string begins; True when one is present."""
         if not seq.sampling.stop or self.tokenizer is None:
             return False
-        text = self.tokenizer.decode(seq.output_token_ids)
-        hits = [i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0]
-        if hits:
-            seq.stop_text_at = min(hits)
-        return bool(hits)
+        at = first_stop(self.tokenizer.decode(seq.output_token_ids), seq.sampling.stop)
+        if at is not None:
+            seq.stop_text_at = at
+        return at is not None
 
     def forget(self, request_id: str) -> None:
         self.released.pop(request_id, None)
@@ -42,12 +55,7 @@ class Detokenizer:
             return ""
         text = self.text(seq)
         done = self.released.get(seq.request_id, 0)
-        end = len(text)
-        if not seq.finished:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
-            hold = max((len(s) for s in seq.sampling.stop), default=1) - 1
-            end = max(done, end - hold)
+        end = len(text) if seq.finished else stable_end(text, done, seq.sampling.stop)
         if seq.finished:
             self.forget(seq.request_id)
         else:

@@ -8,13 +8,14 @@ engine stopped the request there).
 
 from __future__ import annotations
 
+from pdflow.engine.detokenizer import first_stop, stable_end
+
 
 class TextStream:
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.released = 0
-        self.hold = max((len(s) for s in stop), default=1) - 1
 
     def push(self, token_ids: list[int], *, finished: bool) -> str:
         """The text these ids add (``finished``: everything left, cut at a stop string)."""
@@ -23,11 +24,10 @@ class TextStream:
         self.ids += token_ids
         text = self.tokenizer.decode(self.ids)
         if finished:
-            hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-            end = min(hits) if hits else len(text)
+            at = first_stop(text, self.stop)
+            end = len(text) if at is None else at
         else:
-            end = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
-            end = max(self.released, end - self.hold)
+            end = stable_end(text, self.released, self.stop)
         out = text[self.released:end]
         self.released = max(self.released, end)
         return out
