@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 
 import httpx
 import pytest
@@ -153,6 +154,11 @@ def test_a_listener_refuses_a_hello_without_its_pairing_token(graph_of, transpor
         for token in ("", pairing_token(new_key()), transfer_kit.PAIRING[:-1] + "0"):
             with pytest.raises(TransferError, match="unknown hello"):
                 pair.peer(token)
+        # A refused connection's session ends on its own thread just after the refusal is
+        # sent: wait for it (bounded), then nothing of it may remain.
+        deadline = time.monotonic() + 10
+        while pair.listener._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert pair.untouched() and pair.listener._sessions == []
         assert pair.real_producer_lands()
     finally:
