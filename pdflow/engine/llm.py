@@ -167,6 +167,10 @@ class LLM(EngineFacts):
         pairs = zip(prompts, params, strict=True)
         return [self.engine.add_request(self._token_ids(p), s) for p, s in pairs]
 
+    def step(self) -> list[TokenOutput]:
+        """One engine step: every token it produced (none when nothing is queued)."""
+        return self.engine.step() if self.engine.has_unfinished() else []
+
     def run(self) -> Iterator[TokenOutput]:
         """Step until every queued request has finished, yielding each new token."""
         while self.engine.has_unfinished():

@@ -8,7 +8,6 @@ with the same methods plugs in unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,13 +73,11 @@ class ServingBackend(Protocol):
 class LLMBackend:
     """``pdflow.LLM`` or ``pdflow.Deployment`` as a ServingBackend.
 
-    ``step`` pulls from one long-lived ``run()`` generator: requests queued between pulls
-    join it (``run`` re-checks for unfinished work each step), and a fresh generator
-    starts once it has drained."""
+    ``step`` is one step of the driver: all of its tokens at once, so a server sends one
+    message per step, not one per token."""
 
     def __init__(self, llm):
         self.llm = llm
-        self._outputs: Iterator[TokenOutput] | None = None
         self._draft_stats: dict[str, DraftStats] = {}
 
     # The limits the driver's engine(s) enforce (a pool may cap the model's length).
@@ -123,17 +120,12 @@ class LLMBackend:
         return self.llm.abort(request_id)
 
     def step(self) -> list[TokenOutput]:
-        if self._outputs is None:
-            self._outputs = self.llm.run()
-        try:
-            out = next(self._outputs)
-        except StopIteration:
-            self._outputs = None
-            return []
-        if out.finished and out.num_verify_steps:
-            self._draft_stats[out.request_id] = DraftStats(
-                drafted=out.num_drafted, accepted=out.num_accepted, verify_steps=out.num_verify_steps)
-        return [out]
+        outputs = self.llm.step()
+        for out in outputs:
+            if out.finished and out.num_verify_steps:
+                self._draft_stats[out.request_id] = DraftStats(
+                    drafted=out.num_drafted, accepted=out.num_accepted, verify_steps=out.num_verify_steps)
+        return outputs
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         """The finished request's drafted/accepted counts (None: it never verified drafts)."""

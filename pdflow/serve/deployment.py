@@ -126,19 +126,27 @@ class Deployment(EngineFacts):
         yield from self.run()
 
     def run(self) -> Iterator[TokenOutput]:
-        """Step both instances until every submitted request has finished. Each turn
-        submits the producer's step and the consumer's before collecting either, so a
-        decode step computes while a prefill step does, not after it."""
+        """Step both instances until every submitted request has finished."""
         while self._busy():
-            yield from self._admit()
-            stepping = [role for role in (PRODUCER, CONSUMER)
-                        if self._up(role) and self._engine_of(role).has_unfinished()]
-            for role in stepping:
-                yield from self._guarded(role, functools.partial(self._submit, role))
-            for role in stepping:
-                if self._up(role):  # not lost while submitting, nor by the producer's probe
-                    yield from self._guarded(role, self._collect_producer if role == PRODUCER
-                                             else self._collect_consumer)
+            yield from self._turn()
+
+    def step(self) -> list[TokenOutput]:
+        """One turn of both instances: every token it produced (none when idle). What a
+        server's loop calls, so one turn's tokens leave together."""
+        return list(self._turn()) if self._busy() else []
+
+    def _turn(self) -> Iterator[TokenOutput]:
+        """Admit, then submit the producer's step and the consumer's before collecting
+        either, so a decode step computes while a prefill step does, not after it."""
+        yield from self._admit()
+        stepping = [role for role in (PRODUCER, CONSUMER)
+                    if self._up(role) and self._engine_of(role).has_unfinished()]
+        for role in stepping:
+            yield from self._guarded(role, functools.partial(self._submit, role))
+        for role in stepping:
+            if self._up(role):  # not lost while submitting, nor by the producer's probe
+                yield from self._guarded(role, self._collect_producer if role == PRODUCER
+                                         else self._collect_consumer)
 
     def abort(self, request_id: str) -> bool:
         """End a request now. One whose prompt KV may be in flight to the consumer ends

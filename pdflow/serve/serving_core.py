@@ -95,14 +95,15 @@ class ServingCore:
             self._on_finish(ticket, StreamEvent(finish_reason="abort"))
 
     def turn(self) -> None:
-        """Admit what fits, then one engine step when anything runs."""
+        """Admit what fits, then one engine step."""
         for ticket in self.admission.expired():
             self._refuse(ticket, f"no KV blocks came free within {self.admission.policy.queue_timeout_s:g} s; "
                                  "retry later")
         for ticket in self.admission.ready():
             self._admit(ticket)
-        if self.active:
-            self._deliver(self.backend.step())
+        # Stepped even with no request of its own left: an aborted request whose KV is in
+        # flight ends (and frees its blocks) only when the transfer settles. Cheap when idle.
+        self._deliver(self.backend.step())
 
     def fail_all(self, reason: str, status: int) -> None:
         """End every request (the engine died, or the server stops)."""
