@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-stream", action="store_true", help="whole JSON answers instead of SSE")
     p.add_argument("--api-servers", type=int, default=1, help="--front split: API front processes")
     p.add_argument("--overrides", nargs="*", default=[], help="--front split: extra hydra overrides")
+    p.add_argument("--client-procs", type=int, default=0,
+                   help="client processes sharing the load (0: one per 16 concurrent streams)")
     return p.parse_args()
 
 
@@ -92,10 +94,50 @@ async def drive_plain(url: str, model: str, reqs, *, concurrency: int):
         return list(results), time.perf_counter() - t0
 
 
+def _client_share(url: str, model: str, reqs, concurrency: int, stream: bool, barrier, out) -> None:
+    """One client process: its share of the requests at its share of the concurrency,
+    started with the others (barrier); puts its results and its wall-clock span."""
+    from pdflow.bench.workloads import Target, drive
+
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    barrier.wait()
+    start = time.time()
+    if stream:
+        results, _ = run(drive(Target(url=url, model=model), reqs, concurrency=concurrency, timeout_s=3600,
+                               progress=False))
+    else:
+        results, _ = run(drive_plain(url, model, reqs, concurrency=concurrency))
+    out.put((results, start, time.time()))
+
+
 def _drive(args, target, reqs, drive):
-    if args.no_stream:
-        return asyncio.run(drive_plain(target.url, target.model, reqs, concurrency=args.concurrency))
-    return asyncio.run(drive(target, reqs, concurrency=args.concurrency, timeout_s=3600, progress=False))
+    """All requests through ``--client-procs`` client processes (one Python client tops
+    out near 10-20k SSE events/s: the load generator must not be what is measured)."""
+    import multiprocessing as mp
+
+    procs = max(1, min(args.client_procs or -(-args.concurrency // 16), args.concurrency))
+    if procs == 1:
+        if args.no_stream:
+            return asyncio.run(drive_plain(target.url, target.model, reqs, concurrency=args.concurrency))
+        return asyncio.run(drive(target, reqs, concurrency=args.concurrency, timeout_s=3600, progress=False))
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    shares = [(reqs[i::procs], args.concurrency // procs + (i < args.concurrency % procs)) for i in range(procs)]
+    workers = [ctx.Process(target=_client_share, args=(target.url, target.model, share, conc,
+                                                       not args.no_stream, barrier, out))
+               for share, conc in shares]
+    for w in workers:
+        w.start()
+    parts = [out.get() for _ in workers]
+    for w in workers:
+        w.join()
+    results = [r for part, _, _ in parts for r in part]
+    return results, max(end for *_, end in parts) - min(start for _, start, _ in parts)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -117,7 +159,7 @@ def report(args, offline_tokens: int, offline_s: float, results: list, served_s:
     print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, {platform.processor() or platform.machine()}, "
           f"{__import__('os').cpu_count()} CPUs, commit {commit}")
     print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
-          f"concurrency {args.concurrency}")
+          f"concurrency {args.concurrency}, client processes {args.client_procs or -(-args.concurrency // 16)}")
     print(f"offline              : {offline_tokens / offline_s:8.1f} output tok/s ({offline_s:.2f} s)")
     print(f"OpenAI API over HTTP : {served_tokens / served_s:8.1f} output tok/s ({served_s:.2f} s); "
           f"TTFT p50 {_pct(ttft, .5):.1f} p99 {_pct(ttft, .99):.1f} ms, ITL p50 {_pct(itl, .5):.1f} "

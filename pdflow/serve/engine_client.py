@@ -43,6 +43,10 @@ class RemoteTicket:
     rid: str
     events: asyncio.Queue
     text: TextStream
+    tag: int | None = None  # set: events go on ``events`` as (tag, event)
+
+    def put(self, event: StreamEvent) -> None:
+        self.events.put_nowait(event if self.tag is None else (self.tag, event))
 
 
 class CoreFacts:
@@ -87,11 +91,15 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.error is None and self.facts is not None
 
-    def open_stream(self, prompt_token_ids: list[int], sampling: SamplingParams) -> tuple[RemoteTicket, asyncio.Queue]:
+    def open_stream(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
+                    into: asyncio.Queue | None = None, tag: int = 0) -> tuple[RemoteTicket, asyncio.Queue]:
+        """As ``EngineLoop.open_stream``: events on the returned queue, or ``(tag, event)``
+        on ``into``."""
         rid = f"{self.front}-{next(self._ids)}"
-        ticket = RemoteTicket(rid=rid, events=asyncio.Queue(), text=TextStream(self.facts.tokenizer, sampling.stop))
+        ticket = RemoteTicket(rid=rid, events=asyncio.Queue() if into is None else into,
+                              text=TextStream(self.facts.tokenizer, sampling.stop), tag=None if into is None else tag)
         if self.error is not None:
-            ticket.events.put_nowait(StreamEvent(error=self.error, error_status=503))
+            ticket.put(StreamEvent(error=self.error, error_status=503))
             return ticket, ticket.events
         self.streams[rid] = ticket
         self._send(Submit(rid=rid, prompt_token_ids=list(prompt_token_ids), sampling=sampling))
@@ -137,7 +145,7 @@ class EngineClient:
                     event = to_event(delta, ticket.text.push(delta.token_ids, finished=done))
                     if done:
                         del self.streams[delta.rid]
-                    ticket.events.put_nowait(event)
+                    ticket.put(event)
             elif isinstance(msg, Reply):
                 future = self.replies.get(msg.qid)
                 if future is not None and not future.done():
@@ -148,7 +156,7 @@ class EngineClient:
         os.close(pidfd)
         self.error = "the engine core process exited; this server is stopping"
         for ticket in self.streams.values():
-            ticket.events.put_nowait(StreamEvent(error=self.error, error_status=503))
+            ticket.put(StreamEvent(error=self.error, error_status=503))
         self.streams.clear()
         for future in self.replies.values():
             with contextlib.suppress(asyncio.InvalidStateError):

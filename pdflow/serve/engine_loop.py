@@ -76,16 +76,19 @@ class EngineLoop:
         self._inbox.put(("abort", ticket))
 
     def open_stream(
-        self, prompt_token_ids: list[int], sampling: SamplingParams
+        self, prompt_token_ids: list[int], sampling: SamplingParams, *,
+        into: asyncio.Queue | None = None, tag: int = 0,
     ) -> tuple[Ticket, asyncio.Queue]:
-        """Submit from a coroutine; events arrive on the returned queue."""
+        """Submit from a coroutine; events arrive on the returned queue (``into``: as
+        ``(tag, event)`` on that queue, shared by a request's choices)."""
         aio = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue() if into is None else into
 
         def deliver(event: StreamEvent) -> None:
+            item = event if into is None else (tag, event)
             # RuntimeError: the server's event loop has closed, so nobody is listening.
             with contextlib.suppress(RuntimeError):
-                aio.call_soon_threadsafe(events.put_nowait, event)
+                aio.call_soon_threadsafe(events.put_nowait, item)
 
         ticket = Ticket(prompt_token_ids=prompt_token_ids, sampling=sampling, deliver=deliver)
         self.submit(ticket)

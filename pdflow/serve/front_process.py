@@ -70,4 +70,15 @@ def front_main(fd: int, address: str, front: int, core_pid: int, parent_pid: int
     watch_parent(parent_pid)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = socket.socket(fileno=fd)  # the server's listening socket, shared by every front
-    asyncio.run(_serve(sock, address, front, core_pid, options))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve(sock, address, front, core_pid, options))
+
+
+def _loop_factory():
+    """uvloop where installed (a dependency off Windows): the front's per-token work is
+    event-loop work; uvicorn picks httptools for parsing by itself."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -30,6 +30,7 @@ from pdflow.serve.metrics import ServeMetrics
 from pdflow.serve.serving_core import StreamEvent
 
 _DISCONNECTED = StreamEvent(error="client disconnected", error_status=499)
+_TIMED_OUT = StreamEvent(error="request timed out", error_status=503)
 
 
 class ClientGone(Exception):
@@ -90,7 +91,7 @@ class Generation:
         self.created = int(time.time())
         self.choices = [_Choice(index=i) for i in range(job.n)]
         self.events: asyncio.Queue | None = None
-        self._pumps: list[asyncio.Task] = []
+        self._timer: asyncio.TimerHandle | None = None
         self.counted = False
 
     @property
@@ -101,6 +102,9 @@ class Generation:
         self.events = asyncio.Queue()
         for choice in self.choices:
             choice.ticket = self._open(choice.index)
+        if self.deadline is not None:  # one timer, not a wait_for per token
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, self.deadline - time.monotonic()), self.events.put_nowait, (-1, _TIMED_OUT))
         watcher = asyncio.create_task(self._watch_disconnect())
         try:
             events = [await self._next()]
@@ -133,16 +137,8 @@ class Generation:
         sampling = self.job.sampling
         if index and sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-        ticket, events = self.loop.open_stream(self.job.prompt_token_ids, sampling)
-        self._pumps.append(asyncio.create_task(self._pump(index, events)))
+        ticket, _ = self.loop.open_stream(self.job.prompt_token_ids, sampling, into=self.events, tag=index)
         return ticket
-
-    async def _pump(self, index: int, events: asyncio.Queue) -> None:
-        while True:
-            event = await events.get()
-            self.events.put_nowait((index, event))
-            if event.done:
-                return
 
     # -- events --------------------------------------------------------------------------
 
@@ -152,15 +148,7 @@ class Generation:
         self.events.put_nowait((-1, _DISCONNECTED))
 
     async def _next(self) -> tuple[int, StreamEvent]:
-        if self.deadline is None:
-            return self._accept(await self.events.get())
-        try:
-            item = await asyncio.wait_for(self.events.get(), max(0.0, self.deadline - time.monotonic()))
-        except TimeoutError:
-            self._abort("error")
-            raise APIError(503, f"the request did not finish within {self.timeout_s:g} s and was aborted",
-                           code="request_timeout") from None
-        return self._accept(item)
+        return self._accept(await self.events.get())
 
     def _accept(self, item: tuple[int, StreamEvent]) -> tuple[int, StreamEvent]:
         """Fold an event into its choice; an error event becomes this request's APIError."""
@@ -168,6 +156,10 @@ class Generation:
         if event is _DISCONNECTED:
             self._abort()
             raise ClientGone()
+        if event is _TIMED_OUT:
+            self._abort("error")
+            raise APIError(503, f"the request did not finish within {self.timeout_s:g} s and was aborted",
+                           code="request_timeout")
         choice = self.choices[index]
         if event.error is not None:
             choice.finish_reason = "error"
@@ -177,6 +169,8 @@ class Generation:
                            param="prompt" if event.error_status == 400 else None,
                            retry_after_s=event.retry_after_s)
         choice.add(event)
+        if self.done and self._timer is not None:
+            self._timer.cancel()
         if self.done and not self.counted:
             self.counted = True
             reason = self.choices[0].outcome
@@ -197,8 +191,8 @@ class Generation:
             if choice.finish_reason is None and choice.ticket is not None:
                 self.loop.abort(choice.ticket)
                 choice.finish_reason, aborted = reason, True
-        for pump in self._pumps:  # an aborted request may never send its last event
-            pump.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if aborted and not self.counted and reason == "abort":
             self.counted = True
             self.metrics.count("abort")
