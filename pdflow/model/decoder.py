@@ -48,16 +48,26 @@ class Attention(nn.Module):
         )
 
     def forward(self, x, positions, meta: AttentionMetadata, fused: bool = False):
+        q, k, v, stored = self.project(x, positions, meta.slot_mapping, fused)
+        out = self.attn(q, k, v, meta, kv_stored=stored)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x, positions, slot_mapping, fused: bool = False, *, into: torch.Tensor | None = None):
+        """q, k, v ([T, H, D]) of ``x``, rotated, and whether their K/V is already in the
+        bound caches (the fused kernel writes it). ``into`` ([T, (H_q + 2 H_kv) * D]): a
+        buffer the three are written to and returned as views of (a piecewise CUDA graph's
+        static buffer between this projection and the attention)."""
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         if fused:  # one kernel: qk-norm, RoPE in place, and the KV write when bound
+            if into is not None:
+                qkv = into.copy_(qkv)
             bound = self.attn.k_cache is not None
-            kv = (self.attn.k_cache, self.attn.v_cache, meta.slot_mapping) if bound else None
+            kv = (self.attn.k_cache, self.attn.v_cache, slot_mapping) if bound else None
             q, k, v = self.rope.rotate_qkv_(
                 positions, qkv, hq, hkv, q_norm=self.q_norm, k_norm=self.k_norm, kv_cache=kv
             )
-            out = self.attn(q, k, v, meta, kv_stored=bound)
-            return self.o_proj(out.reshape(t, self.num_heads * d))
+            return q, k, v, bound
         if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them together
             qk = self.rope.forward_joint(positions, qkv[:, : (hq + hkv) * d].view(t, -1, d))
             q, k = qk.split([hq, hkv], dim=1)
@@ -66,8 +76,10 @@ class Attention(nn.Module):
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
             q, k = self.rope(positions, self.q_norm(q), self.k_norm(k))
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        if into is not None:
+            views = into.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = (view.view(t, -1, d).copy_(src) for view, src in zip(views, (q, k, v), strict=True))
+        return q, k, v, False
 
 
 class MLP(nn.Module):
@@ -102,11 +114,22 @@ class DecoderLayer(nn.Module):
         """``x`` is the last branch's output and ``residual`` the stream before it (None
         at a stage's first layer: x is the stream). Returns the same pair for the next
         layer; their sum is the residual stream after this layer."""
+        q, k, v, stored, residual = self.before_attention(x, residual, positions, meta.slot_mapping, fused)
+        out = self.self_attn.attn(q, k, v, meta, kv_stored=stored)
+        return self.after_attention(out, residual, fused)
+
+    def before_attention(self, x, residual, positions, slot_mapping, fused: bool = False, *, into=None):
+        """The layer up to its attention: (q, k, v, K/V stored, residual stream)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x, fused=fused)
         else:
             h, residual = self.input_layernorm(x, residual, fused=fused)
-        h = self.self_attn(h, positions, meta, fused)
+        return (*self.self_attn.project(h, positions, slot_mapping, fused, into=into), residual)
+
+    def after_attention(self, out, residual, fused: bool = False):
+        """The layer from its attention's output ([T, H_q, D]) on: (branch output, residual)."""
+        attn = self.self_attn
+        h = attn.o_proj(out.reshape(out.shape[0], attn.num_heads * attn.head_dim))
         h, residual = self.post_attention_layernorm(h, residual, fused=fused)
         return self.mlp(h, fused), residual
 

@@ -50,6 +50,9 @@ class ParallelSpec:
     attention_backend: str = AUTO
     # True: never replay CUDA graphs for decode steps (they need CUDA and the triton backend).
     enforce_eager: bool = False
+    # Prefill and mixed steps as CUDA graphs cut at the attention calls (dense models, when
+    # the decode graphs are on): an eager prefill step is host-bound on a GPU.
+    piecewise_graphs: bool = True
     # torch.distributed rendezvous of this instance's ranks: a store the owner binds
     # before any rank starts (port 0: the OS picks a free one, atomically).
     master_addr: str = "127.0.0.1"

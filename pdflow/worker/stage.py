@@ -30,6 +30,7 @@ from pdflow.worker.drafting import DraftedStep, Drafting
 from pdflow.worker.kv_link import KVLink
 from pdflow.worker.kv_sender import KVSender
 from pdflow.worker.logprobs import score_prompts
+from pdflow.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_supported
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, StageRunner
 from pdflow.worker.warm_up import warm_up
 
@@ -111,6 +112,9 @@ class Stage:
     # Steady drafted steps (verify, context write, propose) as CUDA graphs, when this stage
     # is the whole model and its drafter proposes from device tensors alone.
     drafted_graphs: DraftedGraphRunner | None = None
+    # Prefill and mixed steps (and decode steps past the decode graphs) as CUDA graphs cut
+    # at the attention calls, when the decode graphs are on and the model is dense.
+    piecewise: PiecewiseGraphRunner | None = None
 
     def replay_drafted(self, step: StepInput) -> DraftedStep | None:
         """A steady drafted step through the drafted graphs (its whole forward, drafting
@@ -126,6 +130,9 @@ class Stage:
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden, taps = self.graphs.run(inputs, positions, meta, taps_in)
             return hidden, taps, True
+        if self.piecewise is not None and self.piecewise.can_run(inputs):
+            hidden, taps = self.piecewise.run(inputs, positions, meta, taps_in)
+            return hidden, taps, False  # graphed in pieces: the attention ran eagerly
         hidden, taps = self.runner.forward(inputs, positions, meta, taps_in)
         return hidden, taps, False
 
@@ -202,6 +209,8 @@ class Stage:
             self.graphs.release()
         if self.drafted_graphs is not None:
             self.drafted_graphs.release()
+        if self.piecewise is not None:
+            self.piecewise.release()
         device = self.runner.device
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
@@ -209,6 +218,7 @@ class Stage:
         if self.draft_kv is not None:
             self.draft_kv.caches.clear()
         self.graphs = self.model = self.runner = self.drafting = self.draft_kv = self.drafted_graphs = None
+        self.piecewise = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -251,15 +261,18 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
             runner, max_batch=rows, block_table_width=width,
             hidden_size=hidden_in, relayed_in=relayed_in, dtype=dtype,
         )
-    drafted_graphs = None
+    drafted_graphs = piecewise = None
     if graphs is not None and first and drafting is not None:
         drafted_graphs = drafted_graph_runner(runner, drafting, par, width)
+    if graphs is not None and par.piecewise_graphs and piecewise_supported(model):
+        piecewise = PiecewiseGraphRunner(runner, max_tokens=par.max_num_batched_tokens, hidden_size=hidden_in,
+                                         relayed_in=relayed_in, dtype=dtype)
     pool_tokens = graph.budgets[role].pool_blocks * par.block_size
     warm = min(WARM_UP_TOKENS, par.max_num_batched_tokens, pool_tokens)
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
                  graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm,
                  max_num_seqs=par.max_num_seqs,
-                 drafting=drafting, draft_kv=draft_kv, drafted_graphs=drafted_graphs)
+                 drafting=drafting, draft_kv=draft_kv, drafted_graphs=drafted_graphs, piecewise=piecewise)
 
 
 def drafted_graph_runner(runner: StageRunner, drafting: Drafting, par: ParallelSpec,

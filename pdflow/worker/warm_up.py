@@ -141,7 +141,7 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
                             num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0)
-    total = len(classes) + (1 if stage.graphs is not None else 0) + (1 if stage.drafted_graphs is not None else 0)
+    total = len(classes) + sum(g is not None for g in (stage.graphs, stage.drafted_graphs, stage.piecewise))
     dtype = next(stage.model.parameters()).dtype
     log_event("warm_up_begin", announce)
     for i, shape in enumerate(classes):
@@ -174,6 +174,16 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
                           f"{str(exc)[:300]})", RuntimeWarning, stacklevel=2)
             stage.drafted_graphs.release()
             stage.drafted_graphs = None
+    if stage.piecewise is not None:
+        done += 1
+        _say(announce, done, total, "capturing prefill graphs")
+        try:
+            stage.piecewise.capture()
+        except Exception as exc:  # costs speed only: prefill steps run eagerly
+            warnings.warn(f"prefill steps run eagerly: capturing them in pieces failed ({type(exc).__name__}: "
+                          f"{str(exc)[:300]})", RuntimeWarning, stacklevel=2)
+            stage.piecewise.release()
+            stage.piecewise = None
     if cuda:
         torch.cuda.synchronize(device)
     log_event("warm_up_end", announce)
