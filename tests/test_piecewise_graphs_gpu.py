@@ -44,7 +44,7 @@ def test_piecewise_steps_equal_eager(drafter):
 
 def test_padding_rows_write_no_kv():
     """A 37-token prompt runs in a 48-token bucket: only its own slots change."""
-    with LLM.from_run_spec(compose_spec([*BASE, "drafter=none"]), role="decode") as llm:
+    with LLM.from_run_spec(compose_spec([*BASE, "drafter=none", "decode.num_kv_blocks=64"]), role="decode") as llm:
         stage = llm.engine.instance.executor.stage
         assert stage.piecewise is not None and stage.piecewise.pieces
         before = {name: cache.clone() for name, cache in stage.kv.caches.items()}
