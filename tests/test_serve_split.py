@@ -19,6 +19,7 @@ import proc_helpers
 import pytest
 
 from pdflow import Deployment, SamplingParams, compose
+from pdflow.serve.backend import DraftStats
 from pdflow.serve.core_wire import Delta, Steps, encode, front_decoder, to_delta, to_event
 from pdflow.serve.serving_core import StreamEvent
 from pdflow.serve.text_stream import TextStream
@@ -124,6 +125,18 @@ def test_the_wire_carries_every_event_field_by_name():
     event = StreamEvent(token_ids=[3, 4], finish_reason="length", error=None, retry_after_s=2)
     (delta,) = front_decoder.decode(encode(Steps(deltas=[to_delta("r", event)]))).deltas
     assert to_event(delta, "xy") == StreamEvent(token_ids=[3, 4], text="xy", finish_reason="length", retry_after_s=2)
+    # Every field away from its default, so one that to_delta or to_event skips shows.
+    full = StreamEvent(token_ids=[1], text="t", finish_reason="stop", draft=DraftStats(drafted=3, accepted=2,
+                       verify_steps=1), error="e", error_status=502, retry_after_s=4, logprobs=[-0.5],
+                       top_logprobs=[[(1, -0.5)]], prompt_logprobs=[-1.0], prompt_top_logprobs=[[(2, -1.0)]],
+                       num_cached_tokens=16)
+    defaults = StreamEvent()
+    assert all(getattr(full, f.name) != getattr(defaults, f.name) for f in fields(StreamEvent))
+    (delta,) = front_decoder.decode(encode(Steps(deltas=[to_delta("r", full)]))).deltas
+    back = to_event(delta, "t")
+    back.top_logprobs = [[tuple(p) for p in row] for row in back.top_logprobs]  # msgpack: tuples as lists
+    back.prompt_top_logprobs = [[tuple(p) for p in row] for row in back.prompt_top_logprobs]
+    assert back == full
 
 
 def test_front_text_holds_back_what_may_become_a_stop_string():

@@ -65,8 +65,8 @@ class Reply(msgspec.Struct, tag=True, kw_only=True):
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A ``StreamEvent`` of request ``rid`` minus its text. Every other field here has
-    the name of a ``StreamEvent`` field and is copied both ways by name (``to_delta``,
-    ``to_event``), so a new event field rides the wire by adding its line here."""
+    the name of a ``StreamEvent`` field and is copied both ways (``to_delta``,
+    ``to_event``; ``tests/test_serve_split.py`` checks that they carry every field)."""
 
     rid: str
     token_ids: list[int] = []
@@ -90,7 +90,6 @@ class Steps(msgspec.Struct, tag=True, kw_only=True):
 
 ToCore = Hello | Submit | Abort | Outcome | Query
 ToFront = Steps | Reply
-_CARRIED = tuple(f for f in Delta.__struct_fields__ if f != "rid")
 
 encode = msgspec.msgpack.Encoder().encode
 core_decoder = msgspec.msgpack.Decoder(ToCore)
@@ -98,8 +97,17 @@ front_decoder = msgspec.msgpack.Decoder(ToFront)
 
 
 def to_delta(rid: str, event: StreamEvent) -> Delta:
-    return Delta(rid=rid, **{name: getattr(event, name) for name in _CARRIED})
+    """Field by field, spelled out: this runs once per token per request in the core."""
+    return Delta(rid=rid, token_ids=event.token_ids, finish_reason=event.finish_reason, draft=event.draft,
+                 error=event.error, error_status=event.error_status, retry_after_s=event.retry_after_s,
+                 logprobs=event.logprobs, top_logprobs=event.top_logprobs, prompt_logprobs=event.prompt_logprobs,
+                 prompt_top_logprobs=event.prompt_top_logprobs, num_cached_tokens=event.num_cached_tokens)
 
 
 def to_event(delta: Delta, text: str) -> StreamEvent:
-    return StreamEvent(text=text, **{name: getattr(delta, name) for name in _CARRIED})
+    """The inverse of ``to_delta`` (once per token per request in a front)."""
+    return StreamEvent(text=text, token_ids=delta.token_ids, finish_reason=delta.finish_reason, draft=delta.draft,
+                       error=delta.error, error_status=delta.error_status, retry_after_s=delta.retry_after_s,
+                       logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
+                       prompt_logprobs=delta.prompt_logprobs, prompt_top_logprobs=delta.prompt_top_logprobs,
+                       num_cached_tokens=delta.num_cached_tokens)
