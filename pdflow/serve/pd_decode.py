@@ -28,8 +28,9 @@ from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.admission import AdmissionPolicy
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -101,6 +102,7 @@ class DecodeBackend(EngineFacts):
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
+        self._draft_counts = DraftCounts()
         self._paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
         self._pair_lock = threading.Lock()
@@ -134,11 +136,11 @@ class DecodeBackend(EngineFacts):
         outputs, self._failed = self._failed, []
         outputs += self._take_results(wait=not self.engine.has_unfinished() and not outputs)
         if self.engine.has_unfinished():
-            outputs += self.engine.step()
+            outputs += self._draft_counts.keep(self.engine.step())
         return outputs
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
-        return None
+        return self._draft_counts.pop(request_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -227,8 +229,9 @@ def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
         return msgspec.to_builtins(card) | {"consumer_id": backend.consumer_id, "pairings": dict(backend.pairings)}
 
 
-def pairing_host(backend: DecodeBackend) -> EngineHost:
+def pairing_host(backend: DecodeBackend, *, admission: AdmissionPolicy | None = None) -> EngineHost:
     """An ``EngineHost`` whose loop tags prompts with the request's producer."""
     host = EngineHost(backend)
-    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish)
+    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish,
+                            admission=admission)
     return host

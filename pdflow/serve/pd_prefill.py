@@ -27,7 +27,7 @@ from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.errors import APIError
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -71,6 +71,7 @@ class PrefillBackend(EngineFacts):
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
+        self._draft_counts = DraftCounts()
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
@@ -97,7 +98,7 @@ class PrefillBackend(EngineFacts):
         stepped = self._admit_remote()
         outputs, self._failed = self._failed, []
         if self.engine.has_unfinished():
-            stepped += self.engine.step()
+            stepped += self._draft_counts.keep(self.engine.step())
         elif not outputs and not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
         for out in stepped:
@@ -112,7 +113,7 @@ class PrefillBackend(EngineFacts):
         return outputs + stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
-        return None
+        return self._draft_counts.pop(request_id)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
