@@ -103,4 +103,6 @@ class Admission:
         return out
 
     def _fits_now(self, need: int) -> bool:
-        return not self._waiting and self.reserved + need <= self.num_blocks
+        """It would not wait: it fits behind every request already waiting (arrivals of one
+        batch wait here together until the next ``ready``, all of them admitted by it)."""
+        return self.reserved + sum(w.need for w in self._waiting) + need <= self.num_blocks
