@@ -48,6 +48,19 @@ def test_arrivals_that_fit_together_are_not_refused_by_a_full_room():
     assert room.offer("d", 5, now=0.0) and room.ready() == ["d"]
 
 
+@pytest.mark.parametrize("role", ["role=prefill", "role=decode", "backends"])
+def test_api_servers_on_a_role_without_fronts_is_refused_at_compose_time(role):
+    """Not silently ignored: only role=deployment has API front processes."""
+    from pdflow import compose
+    from pdflow.spec.errors import ConfigError
+
+    where = {"role=prefill": "serve.role=prefill", "role=decode": "serve.role=decode",
+             "backends": "serve.backends=[http://127.0.0.1:9]"}[role]
+    with pytest.raises(ConfigError, match="serves from one process"):
+        compose([where, "serve.api_servers=2"])
+    assert compose([where]).serve.api_servers == 1
+
+
 def test_a_policy_that_makes_no_sense_is_refused():
     with pytest.raises(ValueError, match="queue_timeout_s"):
         AdmissionPolicy(queue_timeout_s=0)
