@@ -41,7 +41,6 @@ from pdflow.serve.pd_wire import (
     PairRequest,
     PrefillAnswer,
     RemotePrefill,
-    WireSampling,
 )
 from pdflow.serve.serving_core import Ticket
 
@@ -156,10 +155,7 @@ class DecodeBackend(EngineFacts):
         if blocks is None:
             return False
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
-                            sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
-                                                  top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs,
-                                                  prompt_logprobs=sampling.prompt_logprobs),
-                            blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
+                            sampling=sampling, blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
         return True
@@ -169,7 +165,7 @@ class DecodeBackend(EngineFacts):
             self._pair(producer)
             answer = self._post(producer + PREFILL_PATH, job, PrefillAnswer)
         except Exception as err:  # every failure ends this request, never the instance
-            answer = PrefillAnswer(token_id=-1, logprob=0.0, error=f"prefill at {producer} failed: {err}")
+            answer = PrefillAnswer(error=f"prefill at {producer} failed: {err}")
         self.results.put((job.request_id, answer))
 
     def _pair(self, producer: str) -> None:
@@ -198,16 +194,13 @@ class DecodeBackend(EngineFacts):
             if rid in self.aborted:
                 self.aborted.discard(rid)
                 self.engine.fail_remote(rid, "abort")
-            elif answer.error is not None:
+            elif answer.error is not None or answer.first is None:
                 self.engine.fail_remote(rid)
                 outputs.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
-                                           finish_reason="error", error=answer.error))
-            else:
-                first = TokenOutput(request_id=rid, index=0, token_id=answer.token_id, logprob=answer.logprob,
-                                    top_logprobs=answer.top_logprobs, prompt_logprobs=answer.prompt_logprobs,
-                                    prompt_top_logprobs=answer.prompt_top_logprobs,
-                                    num_cached_tokens=answer.num_cached_tokens)
-                outputs.append(self.engine.complete_remote_prefill(rid, answer.token_id, answer.logprob, first))
+                                           finish_reason="error", error=answer.error or "no first token"))
+            else:  # as Deployment does in process: the producer's first token, its report handed on
+                first = answer.first
+                outputs.append(self.engine.complete_remote_prefill(rid, first.token_id, first.logprob, first))
             try:
                 item = self.results.get_nowait()
             except queue.Empty:
