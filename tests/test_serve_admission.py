@@ -35,6 +35,32 @@ def test_the_room_is_bounded_by_length_and_by_time():
     assert room.reserved == 0 and room.drain() == []
 
 
+def test_arrivals_that_fit_together_are_not_refused_by_a_full_room():
+    """``max_queued=0`` refuses only what would have to wait: requests arriving in one
+    batch (offered before the next ``ready``) that fit the pool together all get in; the
+    one past the pool is refused (it was refused too while the first still waited)."""
+    room = Admission(AdmissionPolicy(max_queued=0), num_blocks=6, block_size=16)
+    assert room.offer("a", 40, now=0.0) and room.offer("b", 40, now=0.0)  # 3 + 3 blocks
+    assert not room.offer("c", 5, now=0.0)
+    assert room.ready() == ["a", "b"] and room.reserved == 6
+    assert not room.offer("d", 5, now=0.0)
+    room.release("a")
+    assert room.offer("d", 5, now=0.0) and room.ready() == ["d"]
+
+
+@pytest.mark.parametrize("role", ["role=prefill", "role=decode", "backends"])
+def test_api_servers_on_a_role_without_fronts_is_refused_at_compose_time(role):
+    """Not silently ignored: only role=deployment has API front processes."""
+    from pdflow import compose
+    from pdflow.spec.errors import ConfigError
+
+    where = {"role=prefill": "serve.role=prefill", "role=decode": "serve.role=decode",
+             "backends": "serve.backends=[http://127.0.0.1:9]"}[role]
+    with pytest.raises(ConfigError, match="serves from one process"):
+        compose([where, "serve.api_servers=2"])
+    assert compose([where]).serve.api_servers == 1
+
+
 def test_a_policy_that_makes_no_sense_is_refused():
     with pytest.raises(ValueError, match="queue_timeout_s"):
         AdmissionPolicy(queue_timeout_s=0)

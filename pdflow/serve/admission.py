@@ -31,6 +31,11 @@ class AdmissionPolicy:
             raise ValueError("admission needs max_queued >= 0, queue_timeout_s > 0, retry_after_s >= 0")
 
 
+def policy_of(serve) -> AdmissionPolicy:
+    """The policy a ``ServeSpec`` asks for (every role that runs an engine uses it)."""
+    return AdmissionPolicy(max_queued=serve.max_queued_requests, queue_timeout_s=serve.queue_timeout_s)
+
+
 @dataclass(kw_only=True, slots=True)
 class _Waiting:
     item: object
@@ -98,4 +103,6 @@ class Admission:
         return out
 
     def _fits_now(self, need: int) -> bool:
-        return not self._waiting and self.reserved + need <= self.num_blocks
+        """It would not wait: it fits behind every request already waiting (arrivals of one
+        batch wait here together until the next ``ready``, all of them admitted by it)."""
+        return self.reserved + sum(w.need for w in self._waiting) + need <= self.num_blocks

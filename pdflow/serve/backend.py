@@ -25,6 +25,24 @@ class DraftStats:
     verify_steps: int
 
 
+class DraftCounts:
+    """Drafted/accepted counts of finished requests, kept from a step's outputs until the
+    server asks for them (every backend that steps an engine reports them the same way)."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, DraftStats] = {}
+
+    def keep(self, outputs: list[TokenOutput]) -> list[TokenOutput]:
+        for out in outputs:
+            if out.finished and out.num_verify_steps:
+                self._stats[out.request_id] = DraftStats(
+                    drafted=out.num_drafted, accepted=out.num_accepted, verify_steps=out.num_verify_steps)
+        return outputs
+
+    def pop(self, request_id: str) -> DraftStats | None:
+        return self._stats.pop(request_id, None)
+
+
 class ServingBackend(Protocol):
     """Called from one thread only (the engine loop), so it needs no locking, except the
     read-only properties, which /metrics and /v1/models read from the server's thread."""
@@ -78,7 +96,7 @@ class LLMBackend:
 
     def __init__(self, llm):
         self.llm = llm
-        self._draft_stats: dict[str, DraftStats] = {}
+        self._draft_counts = DraftCounts()
 
     # The limits the driver's engine(s) enforce (a pool may cap the model's length).
     @property
@@ -120,16 +138,11 @@ class LLMBackend:
         return self.llm.abort(request_id)
 
     def step(self) -> list[TokenOutput]:
-        outputs = self.llm.step()
-        for out in outputs:
-            if out.finished and out.num_verify_steps:
-                self._draft_stats[out.request_id] = DraftStats(
-                    drafted=out.num_drafted, accepted=out.num_accepted, verify_steps=out.num_verify_steps)
-        return outputs
+        return self._draft_counts.keep(self.llm.step())
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         """The finished request's drafted/accepted counts (None: it never verified drafts)."""
-        return self._draft_stats.pop(request_id, None)
+        return self._draft_counts.pop(request_id)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -130,7 +130,7 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     """Entry of the engine-core process (spawned by ``supervisor``). SIGTERM: fail what is
     running with 503, stop the ranks, exit 0; a broken engine exits 1 (the server follows)."""
     watch_parent(parent_pid)
-    from pdflow.serve.admission import AdmissionPolicy
+    from pdflow.serve.admission import policy_of
     from pdflow.serve.backend import LLMBackend
     from pdflow.serve.deployment import Deployment
     from pdflow.serve.metrics import ServeMetrics
@@ -153,8 +153,7 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     facts = Facts(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size, block_size=backend.block_size,
                   num_kv_blocks=backend.num_kv_blocks, tokenizer_folder=None if folder is None else str(folder))
     metrics = ServeMetrics(backend, num_active=lambda: len(core.active))  # read at a scrape, once core is set
-    admission = AdmissionPolicy(max_queued=spec.serve.max_queued_requests, queue_timeout_s=spec.serve.queue_timeout_s)
-    core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=admission)
+    core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=policy_of(spec.serve))
     server = CoreServer(core, metrics, facts, sock)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides

@@ -28,8 +28,9 @@ from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.admission import AdmissionPolicy
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -40,7 +41,6 @@ from pdflow.serve.pd_wire import (
     PairRequest,
     PrefillAnswer,
     RemotePrefill,
-    WireSampling,
 )
 from pdflow.serve.serving_core import Ticket
 
@@ -101,6 +101,7 @@ class DecodeBackend(EngineFacts):
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
+        self._draft_counts = DraftCounts()
         self._paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
         self._pair_lock = threading.Lock()
@@ -134,11 +135,11 @@ class DecodeBackend(EngineFacts):
         outputs, self._failed = self._failed, []
         outputs += self._take_results(wait=not self.engine.has_unfinished() and not outputs)
         if self.engine.has_unfinished():
-            outputs += self.engine.step()
+            outputs += self._draft_counts.keep(self.engine.step())
         return outputs
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
-        return None
+        return self._draft_counts.pop(request_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -154,10 +155,7 @@ class DecodeBackend(EngineFacts):
         if blocks is None:
             return False
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
-                            sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
-                                                  top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs,
-                                                  prompt_logprobs=sampling.prompt_logprobs),
-                            blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
+                            sampling=sampling, blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
         return True
@@ -167,7 +165,7 @@ class DecodeBackend(EngineFacts):
             self._pair(producer)
             answer = self._post(producer + PREFILL_PATH, job, PrefillAnswer)
         except Exception as err:  # every failure ends this request, never the instance
-            answer = PrefillAnswer(token_id=-1, logprob=0.0, error=f"prefill at {producer} failed: {err}")
+            answer = PrefillAnswer(error=f"prefill at {producer} failed: {err}")
         self.results.put((job.request_id, answer))
 
     def _pair(self, producer: str) -> None:
@@ -196,16 +194,13 @@ class DecodeBackend(EngineFacts):
             if rid in self.aborted:
                 self.aborted.discard(rid)
                 self.engine.fail_remote(rid, "abort")
-            elif answer.error is not None:
+            elif answer.error is not None or answer.first is None:
                 self.engine.fail_remote(rid)
                 outputs.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
-                                           finish_reason="error", error=answer.error))
-            else:
-                first = TokenOutput(request_id=rid, index=0, token_id=answer.token_id, logprob=answer.logprob,
-                                    top_logprobs=answer.top_logprobs, prompt_logprobs=answer.prompt_logprobs,
-                                    prompt_top_logprobs=answer.prompt_top_logprobs,
-                                    num_cached_tokens=answer.num_cached_tokens)
-                outputs.append(self.engine.complete_remote_prefill(rid, answer.token_id, answer.logprob, first))
+                                           finish_reason="error", error=answer.error or "no first token"))
+            else:  # as Deployment does in process: the producer's first token, its report handed on
+                first = answer.first
+                outputs.append(self.engine.complete_remote_prefill(rid, first.token_id, first.logprob, first))
             try:
                 item = self.results.get_nowait()
             except queue.Empty:
@@ -227,8 +222,9 @@ def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
         return msgspec.to_builtins(card) | {"consumer_id": backend.consumer_id, "pairings": dict(backend.pairings)}
 
 
-def pairing_host(backend: DecodeBackend) -> EngineHost:
+def pairing_host(backend: DecodeBackend, *, admission: AdmissionPolicy | None = None) -> EngineHost:
     """An ``EngineHost`` whose loop tags prompts with the request's producer."""
     host = EngineHost(backend)
-    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish)
+    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish,
+                            admission=admission)
     return host

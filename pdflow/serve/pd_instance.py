@@ -34,6 +34,7 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     """The app of this process's instance; its engine stops when ``stack`` closes."""
     from pdflow.engine.instance import Instance
     from pdflow.engine.llm_engine import LLMEngine
+    from pdflow.serve.admission import policy_of
     from pdflow.serve.api import EngineHost, create_app
 
     role = spec.serve.role
@@ -47,16 +48,17 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     if role == PRODUCER_ROLE:
         from pdflow.serve.pd_prefill import PrefillBackend, add_prefill_routes
 
-        host = EngineHost(PrefillBackend(engine))
+        host = EngineHost(PrefillBackend(engine), admission=policy_of(spec.serve))
     else:
         from pdflow.serve.pd_decode import DecodeBackend, pairing_host
 
         backend = DecodeBackend(engine, fingerprint=print_, api_key=api_key, timeout_s=EXCHANGE_TIMEOUT_S)
         stack.callback(backend.shutdown)
-        host = pairing_host(backend)
+        host = pairing_host(backend, admission=policy_of(spec.serve))
     host.start()
     stack.callback(host.stop)
-    app = create_app(host, model_name=model_name, api_key=api_key)
+    app = create_app(host, model_name=model_name, api_key=api_key, request_timeout_s=spec.serve.request_timeout_s,
+                     max_body_bytes=spec.serve.max_body_bytes)
     if role == PRODUCER_ROLE:
         add_prefill_routes(app, host, card, api_key=api_key)
     else:

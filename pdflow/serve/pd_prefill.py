@@ -27,7 +27,7 @@ from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
-from pdflow.serve.backend import DraftStats
+from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.errors import APIError
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
@@ -71,6 +71,7 @@ class PrefillBackend(EngineFacts):
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
+        self._draft_counts = DraftCounts()
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
@@ -97,7 +98,7 @@ class PrefillBackend(EngineFacts):
         stepped = self._admit_remote()
         outputs, self._failed = self._failed, []
         if self.engine.has_unfinished():
-            stepped += self.engine.step()
+            stepped += self._draft_counts.keep(self.engine.step())
         elif not outputs and not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
         for out in stepped:
@@ -105,14 +106,12 @@ class PrefillBackend(EngineFacts):
                 self.remote.discard(out.request_id)
                 failed = out.kv_error
                 self.answers[out.request_id] = PrefillAnswer(
-                    token_id=out.token_id, logprob=out.logprob, error=failed and f"KV transfer failed: {failed}",
-                    top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-                    prompt_top_logprobs=out.prompt_top_logprobs, num_cached_tokens=out.num_cached_tokens)
+                    first=out, error=failed and f"KV transfer failed: {failed}")
                 self.prefills += failed is None
         return outputs + stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
-        return None
+        return self._draft_counts.pop(request_id)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -152,7 +151,7 @@ class PrefillBackend(EngineFacts):
         return outputs
 
     def _fail(self, rid: str, why: str) -> None:
-        self.answers[rid] = PrefillAnswer(token_id=-1, logprob=0.0, error=why)
+        self.answers[rid] = PrefillAnswer(error=why)
         self._failed.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
                                         finish_reason="error", error=why))
 
@@ -180,20 +179,14 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
 
     @app.post(PREFILL_PATH, dependencies=guard)
     async def prefill(request: Request):
-        job = _decode(await request.body(), RemotePrefill)
-        s = job.sampling
-        try:
-            sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                                      max_tokens=1, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs)
-        except ValueError as err:
-            raise APIError(400, str(err), code="invalid_value") from None
-        ticket, events = host.loop.open_stream(RemotePrompt(job), sampling)
+        job = _decode(await request.body(), RemotePrefill)  # its sampling checked on decoding: a 400
+        ticket, events = host.loop.open_stream(RemotePrompt(job), dataclasses.replace(job.sampling, max_tokens=1))
         event = await events.get()
         while not event.done:
             event = await events.get()
         answer = backend.answers.pop(ticket.request_id, None) if ticket.request_id else None
         if answer is None:
-            answer = PrefillAnswer(token_id=-1, logprob=0.0, error=event.error or f"ended: {event.finish_reason}")
+            answer = PrefillAnswer(error=event.error or f"ended: {event.finish_reason}")
         return Response(msgspec.json.encode(answer), media_type="application/json")
 
 

@@ -22,6 +22,8 @@ import json
 
 import msgspec
 
+from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.sampling_params import SamplingParams
 from pdflow.graph import build_graph
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.spec import RunSpec
@@ -49,37 +51,23 @@ class PairRequest(msgspec.Struct, kw_only=True):
     endpoints: list[KVEndpoint]
 
 
-class WireSampling(msgspec.Struct, kw_only=True):
-    """The sampling fields a prefill needs (it samples the first token)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    # Top logprobs of the first token, and the prompt's logprobs (echo), when asked.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-
 class RemotePrefill(msgspec.Struct, kw_only=True):
     consumer_id: str
     request_id: str
     prompt_token_ids: list[int]
-    sampling: WireSampling
+    # The request's own (checked again on decoding); the producer samples one token.
+    sampling: SamplingParams
     blocks: list[int]
     nonce: int
 
 
 class PrefillAnswer(msgspec.Struct, kw_only=True):
-    token_id: int
-    logprob: float
-    # Set when the KV did not land (the consumer frees the request's blocks).
+    """The producer's report of the prompt's first token once its KV landed (what
+    ``Deployment`` hands its consumer in process), or why the KV did not land (the
+    consumer frees the request's blocks)."""
+
+    first: TokenOutput | None = None
     error: str | None = None
-    # What the first token reports (TokenOutput's fields), for the consumer to hand on.
-    top_logprobs: list[tuple[int, float]] | None = None
-    prompt_logprobs: list[float] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    num_cached_tokens: int = 0
 
 
 def fingerprint(spec: RunSpec) -> str:

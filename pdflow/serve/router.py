@@ -15,6 +15,7 @@ backend's own 503 (overloaded: it says when to retry), which passes through with
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -25,6 +26,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.requests import ClientDisconnect
 
 from pdflow.serve.api import GENERATION_BODIES, bearer_guard, install_error_handlers
 from pdflow.serve.errors import APIError, error_body
@@ -105,7 +107,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             upstream = client.build_request(request.method, backend + request.url.path, content=body,
                                             headers=headers)
             try:
-                answer = await client.send(upstream, stream=True)
+                answer = await until_answered_or_gone(request, client.send(upstream, stream=True))
             except CONNECT_ERRORS as exc:
                 metrics.count(backend, "unreachable")
                 unreachable.append(f"{backend} ({type(exc).__name__})")
@@ -116,6 +118,22 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                                code="backend_error") from exc
             return await relay(backend, answer)
         raise APIError(503, f"no backend could be reached: {', '.join(unreachable)}", code="no_backend")
+
+    async def until_answered_or_gone(request: Request, sending) -> httpx.Response:
+        """The backend's answer, or ``ClientDisconnect`` (a 499, logged nowhere) once the
+        client left first: the upstream is closed then, so the backend aborts the request
+        instead of running it (a prefill held mid-transfer, say) for nobody."""
+        send = asyncio.ensure_future(sending)
+        gone = asyncio.ensure_future(request.receive())  # the body is read: only a disconnect comes
+        try:
+            await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not send.done():
+                send.cancel()
+        if send.cancelled():
+            raise ClientDisconnect()
+        return send.result()
 
     async def relay(backend: str, answer: httpx.Response) -> Response:
         if answer.status_code == 503 and "retry-after" in answer.headers:

@@ -174,6 +174,10 @@ class ServeSpec:
             raise ValueError("serve needs max_body_bytes >= 1, max_queued_requests >= 0, queue_timeout_s > 0")
         if self.api_servers < 1:
             raise ValueError(f"serve.api_servers must be >= 1 (API front processes), got {self.api_servers}")
+        if self.api_servers != 1 and (self.role != "deployment" or self.backends):
+            what = "a router" if self.backends or self.role == "router" else f"the {self.role} instance"
+            raise ValueError(f"serve.api_servers={self.api_servers} starts API fronts before role=deployment's "
+                             f"engine-core process; {what} serves from one process (set serve.api_servers=1)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("serve.request_timeout_s must be positive (or null: no limit)")
 

@@ -57,6 +57,7 @@ from pdflow.transfer.p2p_parts import (
     bad_blocks,
     choose_mover,
     chunks,
+    copy_chunk,
     device_identity,
     enable_peer_access,
     host_buffer,
@@ -69,7 +70,7 @@ from pdflow.transfer.p2p_parts import (
     size_of,
     synchronize,
 )
-from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes
+from pdflow.transfer.packing import Piece, packed_nbytes
 from pdflow.transfer.run_table import RunTable, direct_rows
 
 __all__ = ["P2PListener", "P2PPeer", "chunks", "device_identity"]
@@ -313,20 +314,8 @@ class P2PPeer:
 
     def _pack(self, chunk: list[Piece], out: torch.Tensor, src_blocks: Sequence[int],
               ids: torch.Tensor | None) -> None:
-        """Chunk ``chunk`` of the request into ``out``: one ``copy_plan`` launch over the
-        chunk's rows on a GPU (``ids``: the block ids it reads), torch index ops per piece
-        on CPU."""
-        base = chunk[0].offset
-        if ids is not None:
-            first, stop = self.table.span(chunk, len(src_blocks))
-            from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
-
-            copy_plan(self.table.plan, ids, len(src_blocks), first, stop, self.table.max_words,
-                      shift=out.data_ptr() - base, programs=self.copy_programs)
-            return
-        for p in chunk:
-            pack_piece(self.plan, p, self.caches[p.src_unit], src_blocks, out[p.offset - base:p.offset - base + p.nbytes],
-                       dst_block_bytes=self.dst_block_bytes[p.dst_unit])
+        copy_chunk(chunk, out, src_blocks, plan=self.plan, caches=self.caches, other_block_bytes=self.dst_block_bytes,
+                   reverse=False, table=self.table, ids=ids, programs=self.copy_programs)
 
     def _ack(self, index: int) -> None:
         ack = self.conn.recv()

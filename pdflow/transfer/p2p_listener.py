@@ -40,6 +40,7 @@ from pdflow.transfer.p2p_parts import (
     abort_group,
     as_bytes_by_block,
     bad_blocks,
+    copy_chunk,
     device_identity,
     host_buffer,
     pair_group,
@@ -52,7 +53,7 @@ from pdflow.transfer.p2p_parts import (
     size_of,
     synchronize,
 )
-from pdflow.transfer.packing import Piece, unpack_piece
+from pdflow.transfer.packing import Piece
 from pdflow.transfer.run_table import RunTable
 
 __all__ = ["P2PListener"]
@@ -385,21 +386,11 @@ class _Session:
 
     def _scatter(self, plan: CutPlan, chunk: list[Piece], data: torch.Tensor, blocks: list[int],
                  ids: torch.Tensor | None, src_block_bytes: dict[str, int]) -> str:
-        """Chunk ``chunk``'s bytes from ``data`` into this rank's caches: one ``copy_plan``
-        launch on a GPU, torch index ops per piece on CPU. Returns why it failed, or ""
-        (the request fails, the pair serves on)."""
+        """Chunk ``chunk``'s bytes from ``data`` into this rank's caches; why it failed, or
+        "" (the request fails, the pair serves on)."""
         try:
-            base = chunk[0].offset
-            if ids is not None:
-                first, stop = self.table.span(chunk, len(blocks))
-                from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
-
-                copy_plan(self.table.plan, ids, len(blocks), first, stop, self.table.max_words,
-                          shift=data.data_ptr() - base, reverse=True, programs=self.listener.spec.copy_programs)
-                return ""
-            for p in chunk:
-                unpack_piece(plan, p, data[p.offset - base:p.offset - base + p.nbytes], blocks,
-                             self.listener.caches[p.dst_unit], src_block_bytes=src_block_bytes[p.src_unit])
+            copy_chunk(chunk, data, blocks, plan=plan, caches=self.listener.caches, other_block_bytes=src_block_bytes,
+                       reverse=True, table=self.table, ids=ids, programs=self.listener.spec.copy_programs)
             return ""
         except Exception as err:
             return f"{type(err).__name__}: {err}"

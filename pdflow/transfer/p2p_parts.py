@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pdflow.graph import CutPlan
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.p2p_messages import CacheMapping, CudaIpcHandle
-from pdflow.transfer.packing import Piece, packed_nbytes, pieces
+from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes, pieces, unpack_piece
 
 # Per-phase times of each request, on stderr: "1" synchronizes the device at every phase
 # (each phase's own cost, the pipeline serialised); "timeline" only stamps the host clock
@@ -342,3 +342,27 @@ def bad_blocks(blocks: Sequence[int], limit: int) -> str:
         return f"consumer block ids repeat: {list(blocks)}"
     out = [b for b in blocks if not 0 <= b < limit]
     return f"consumer block ids {out} are outside the pool of {limit} blocks" if out else ""
+
+
+def copy_chunk(chunk: list[Piece], data: torch.Tensor, blocks: Sequence[int], *, plan: CutPlan,
+               caches: Mapping[str, torch.Tensor], other_block_bytes: Mapping[str, int], reverse: bool,
+               table=None, ids: torch.Tensor | None = None, programs: int = 0) -> None:
+    """Chunk ``chunk`` of a request between the packed bytes ``data`` and this rank's
+    ``caches``: packed from them (producer) or, ``reverse``, scattered into them
+    (consumer). One ``copy_plan`` launch over the chunk's runs on a GPU (``ids``: the
+    block ids it reads, from the pair's ``RunTable``), torch index ops per piece on CPU.
+    ``other_block_bytes``: the other side's bytes per block, per unit."""
+    base = chunk[0].offset
+    if ids is not None:
+        first, stop = table.span(chunk, len(blocks))
+        from pdflow.kernels.copy_runs import copy_plan  # GPU path only: loads Triton
+
+        copy_plan(table.plan, ids, len(blocks), first, stop, table.max_words, shift=data.data_ptr() - base,
+                  reverse=reverse, programs=programs)
+        return
+    for p in chunk:
+        view = data[p.offset - base:p.offset - base + p.nbytes]
+        if reverse:
+            unpack_piece(plan, p, view, blocks, caches[p.dst_unit], src_block_bytes=other_block_bytes[p.src_unit])
+        else:
+            pack_piece(plan, p, caches[p.src_unit], blocks, view, dst_block_bytes=other_block_bytes[p.dst_unit])
