@@ -9,6 +9,7 @@ from omegaconf import MISSING
 from pdflow.spec.drafter import DrafterSpec
 from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
+from pdflow.spec.router import RouterSpec
 from pdflow.spec.transfer import TransferSpec
 
 WORKLOAD_KINDS = ("none", "arith", "needle", "accuracy", "prefill", "serve", "replay")
@@ -199,6 +200,7 @@ class RunSpec:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     serve: ServeSpec = field(default_factory=ServeSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
     name: str = "pdflow"
     seed: int = 0
     # "pd": a prefill instance writes each prompt's KV into the decode instance.
