@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftStats
@@ -42,6 +43,7 @@ from pdflow.serve.pd_wire import (
     RemotePrefill,
     WireSampling,
 )
+from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.serve.serving_core import Ticket
 
 IDLE_WAIT_S = 0.005
@@ -103,6 +105,7 @@ class DecodeBackend(EngineFacts):
         self._ids = itertools.count()
         self._paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
+        self.reuse = ReuseCounts()  # remote and local prefills, prompt tokens reused (/metrics)
         self._pair_lock = threading.Lock()
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
@@ -112,7 +115,8 @@ class DecodeBackend(EngineFacts):
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         rid = f"r{next(self._ids)}"
-        if not isinstance(prompt_token_ids, PrefillFrom):
+        if not isinstance(prompt_token_ids, PrefillFrom):  # the router had it prefill here
+            self.reuse.local_prefills += 1
             return self.engine.add_request(list(prompt_token_ids), sampling, rid)
         if not self._start(rid, prompt_token_ids, sampling):  # a refused prompt raises here
             self.waiting.append((rid, prompt_token_ids, sampling))
@@ -150,14 +154,17 @@ class DecodeBackend(EngineFacts):
     def _start(self, rid: str, prompt: PrefillFrom, sampling: SamplingParams) -> bool:
         """Allocate the prompt's blocks and hand the prefill to a worker thread; False
         while the pool is short."""
-        blocks = self.engine.add_remote_request(list(prompt), sampling, rid)
-        if blocks is None:
-            return False
+        router = self.engine.spec.router
+        admitted = admit_to_consumer(self.engine, list(prompt), sampling, rid, reuse=router.prefix_reuse,
+                                     local_below=router.local_prefill_tokens, counts=self.reuse)
+        if admitted.local or admitted.target is None:
+            return admitted.local
+        target = admitted.target
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
                             sampling=WireSampling(temperature=sampling.temperature, top_k=sampling.top_k,
                                                   top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs,
                                                   prompt_logprobs=sampling.prompt_logprobs),
-                            blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
+                            blocks=list(target.blocks), nonce=target.nonce, first_block=target.first_block)
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
         return True
@@ -219,6 +226,7 @@ def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
     backend: DecodeBackend | None = host.backend if host is not None else None
     if backend is not None:
         host.metrics.count_pairings(backend.pairings)
+        host.metrics.registry.register(ReuseCollector(backend.engine, backend.reuse))
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():
