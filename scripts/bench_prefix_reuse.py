@@ -54,7 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--local", type=int, default=64, help="router.local_prefill_tokens of the on+local phase")
-    p.add_argument("--set", nargs="*", default=[], help="more spec overrides")
+    p.add_argument("--phases", default="off,on,on+local,rr", help="separate mode: which phases to run")
+    p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
     return p.parse_args()
 
 
@@ -127,13 +128,14 @@ def separate(args) -> dict[str, dict]:
         prefill = url_of(procs[-1])
         phases = {"off": ["router.prefix_reuse=false"], "on": [],
                   "on+local": [f"router.local_prefill_tokens={args.local}"]}
-        out = {}
+        wanted, out = set(args.phases.split(",")), {}
         for seed, (name, extra) in enumerate(phases.items(), start=1):
+            policies = {p: label for p, label in (("prefix", name), ("round_robin", "rr"))
+                        if label in wanted and (label != "rr" or name == "on")}
+            if not policies:
+                continue
             decode = [start("decode", *extra, *args.set) for _ in range(2)]
             urls = [url_of(d) for d in decode]
-            policies = {"prefix": name}
-            if name == "on":
-                policies["round_robin"] = "rr"
             for i, (policy, label) in enumerate(policies.items()):
                 router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
                                f"router.policy={policy}", *args.set)
@@ -181,19 +183,20 @@ def deployment(args) -> dict[str, dict]:
 def main() -> None:
     args = parse_args()
     out = separate(args) if args.mode == "separate" else deployment(args)
-    on, off = out["on"], out["off"]
+    on, off = out.get("on"), out.get("off")
     print(f"\nprefix reuse at {args.reuse:.0%}, {args.conversations} conversations x {args.turns} turns, "
-          f"first prompt {args.prompt_tokens} tokens, mode={args.mode}")
-    print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")
-    print(f"TTFT p50          on/off: {on['ttft_p50'] / off['ttft_p50']:.3f}x (goal <= 0.5x)")
-    if "on+local" in out:
+          f"first prompt {args.prompt_tokens} tokens, mode={args.mode}, set={args.set}")
+    if on and off:
+        print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")
+        print(f"TTFT p50          on/off: {on['ttft_p50'] / off['ttft_p50']:.3f}x (goal <= 0.5x)")
+    if "on+local" in out and off:
         local = out["on+local"]
         print(f"KV bytes sent  local/off: {local['bytes'] / off['bytes']:.3f}x")
         print(f"TTFT p50       local/off: {local['ttft_p50'] / off['ttft_p50']:.3f}x")
-    if "rr" in out:
+    if "rr" in out and on:
         print(f"decode hit rate prefix/rr: {on['hit_rate']:.3f} / {out['rr']['hit_rate']:.3f} = "
               f"{on['hit_rate'] / max(out['rr']['hit_rate'], 1e-9):.2f}x (goal >= 1.5x)")
-    if "no-reuse-workload" in out:
+    if "no-reuse-workload" in out and on:
         print(f"TTFT p50 at {args.reuse:.0%} reuse / no-reuse workload: "
               f"{on['ttft_p50'] / out['no-reuse-workload']['ttft_p50']:.3f}x")
 
