@@ -1,7 +1,9 @@
 """A consumer instance served on its own (``pdflow serve serve.role=decode``).
 
 A request the router sends with ``x-pdflow-prefill: <producer URL>`` is admitted the way
-``Deployment`` admits one: the consumer allocates the prompt's blocks and parks it; a
+``Deployment`` admits one (``engine/remote_admission``: after the blocks its prefix cache
+holds, or prefilled here when the uncached part is short): the consumer allocates the
+prompt's blocks and parks it; a
 worker thread pairs with that producer once (``POST /pdflow/pair``: this instance's KV
 endpoints) and asks it to prefill into those blocks (``POST /pdflow/prefill``); the
 answer's first token resumes the request here, which decodes on. A failed exchange ends

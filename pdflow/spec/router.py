@@ -10,9 +10,9 @@ ROUTER_POLICIES = ("round_robin", "load", "prefix")
 
 @dataclass(kw_only=True, slots=True)
 class RouterSpec:
-    # round_robin: instances in turn; load: the one with the fewest requests in flight
-    # (then the most free KV blocks); prefix: the decode instance holding most of the
-    # prompt's leading blocks (a router-side index of what it sent where), ties by load.
+    # round_robin: instances in turn; load: the one with the fewest requests the router
+    # has in flight there; prefix: the decode instance holding most of the prompt's
+    # leading blocks (a router-side index of what it sent where), ties by load.
     policy: str = "round_robin"
     # Decode side: match each prompt against this instance's prefix cache and have the
     # prefill instance write only the uncached suffix's blocks.
