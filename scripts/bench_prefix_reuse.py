@@ -21,8 +21,10 @@ prefix/rr (goal >= 1.5x).
 request at a time, TTFT from ``Deployment.stream``; reuse on vs off at --reuse, and a
 workload with no reuse. The GPU figure:
 
-    python scripts/bench_prefix_reuse.py --mode deployment \\
-        --set model=qwen3-0.6b prefill=tp1 decode=tp1 prefill.device=cuda decode.device=cuda
+    python scripts/bench_prefix_reuse.py --mode deployment --prompt-tokens 1024 --conversations 8 \\
+        --set model=qwen3-0.6b model.path=null prefill.device=cuda decode.device=cuda \\
+        prefill.device_offset=0 decode.device_offset=0 prefill.device_memory_gib=140 \\
+        decode.device_memory_gib=140 prefill.memory=0.3 decode.memory=0.3
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ def parse_args() -> argparse.Namespace:
 
 # -- separate instances -----------------------------------------------------------------
 
+def base(extra: list[str]) -> list[str]:
+    """BASE less the keys ``extra`` sets (Hydra refuses a key given twice)."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [b for b in BASE if b.split("=", 1)[0] not in keys]
+
+
 def start(role: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
     return subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", f"role={role}", "serve.port=0",
-                             *BASE, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             *base(list(extra)), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
 
 
@@ -157,7 +165,7 @@ def deployment(args) -> dict[str, dict]:
 
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     out = {}
-    with Deployment(compose([*BASE, *args.set])) as d:
+    with Deployment(compose([*base(args.set), *args.set])) as d:
         from pdflow.bench.workloads import build_workloads
 
         for seed, (label, reuse, share) in enumerate((("off", False, args.reuse), ("on", True, args.reuse),

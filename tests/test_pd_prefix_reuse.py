@@ -99,3 +99,18 @@ def test_an_export_that_ignores_the_suffix_start_is_caught(one_process, pd, monk
     tokens = _serve(pd, 4, patch=lambda: monkeypatch.setattr(llm_engine, "build_step_input", from_block_zero))[0]
     assert tokens[0] == one_process[4][0]
     assert tokens[1:] != one_process[4][1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reuse_on_one_gpu_decodes_the_monolithic_tokens():
+    """TP1 -> TP1 on one GPU (transfer=auto: cuda_ipc): the suffix-only export reads the
+    producer's right blocks there too."""
+    from pd_gpu_kit import GPU_BASE
+
+    gpu = [*GPU_BASE, "decode.device_offset=0"]
+    with Deployment(compose([*SPEC, *gpu, "mode=monolithic"])) as d:
+        want = _serve(d, 5)[0]
+    with Deployment(compose([*SPEC, *gpu])) as d:
+        tokens, cached, exported, _ = _serve(d, 5)
+    assert tokens == want and cached == [64, 64] and exported == 2 * 3
