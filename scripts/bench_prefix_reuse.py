@@ -168,6 +168,9 @@ def deployment(args) -> dict[str, dict]:
     with Deployment(compose([*base(args.set), *args.set])) as d:
         from pdflow.bench.workloads import build_workloads
 
+        warm = workload_spec(args, seed=0)  # untimed: the first steps of each shape build and compile
+        d.generate([r.prompt for r in build_workloads(warm, vocab=d.consumer.config.vocab_size)[0].requests()],
+                   sampling)
         for seed, (label, reuse, share) in enumerate((("off", False, args.reuse), ("on", True, args.reuse),
                                                       ("no-reuse-workload", True, 0.0)), start=1):
             d.spec.router.prefix_reuse = reuse
