@@ -77,3 +77,5 @@ def test_turns_move_only_uncached_blocks_and_decode_the_deployments_tokens(insta
     assert decode["pdflow_kv_received_blocks_total"] == 5 + 3  # turn two: 7 blocks, 4 cached
     assert prefill["pdflow_kv_sent_blocks_total"] == 5 + 3
     assert prefill["pdflow_kv_sent_bytes_total"] == decode["pdflow_kv_received_bytes_total"] > 0
+    assert decode["pdflow_prefix_cache_hit_tokens_total{decode}"] == 64 + 96  # turn two's match, turn three's
+    assert prefill["pdflow_prefix_cache_hit_tokens_total{prefill}"] == 64  # its own compute reuse, turn two

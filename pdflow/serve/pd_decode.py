@@ -228,7 +228,7 @@ def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
     backend: DecodeBackend | None = host.backend if host is not None else None
     if backend is not None:
         host.metrics.count_pairings(backend.pairings)
-        host.metrics.registry.register(ReuseCollector(backend.engine, backend.reuse))
+        host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():

@@ -162,7 +162,7 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     backend: PrefillBackend = host.backend
     guard = [Depends(bearer_guard(api_key))]
     host.metrics.count_pairings(backend.pairings)
-    host.metrics.registry.register(ReuseCollector(backend.engine))
+    host.metrics.registry.register(ReuseCollector(producer=backend.engine))
 
     @app.get(INSTANCE_PATH, dependencies=guard)
     async def instance():
