@@ -83,3 +83,12 @@ def test_a_bad_router_policy_is_refused_by_name():
         compose(["router.policy=nearest"])
     with pytest.raises(ConfigError, match="local_prefill_tokens"):
         compose(["router.local_prefill_tokens=-1"])
+
+
+def test_load_policy_breaks_an_in_flight_tie_by_free_kv_blocks():
+    chooser = Chooser(D, P, RouterSpec(policy="load"), block_tokens=16)
+    chooser.set_free(D[0], 0.1)
+    chooser.set_free(D[1], 0.9)
+    assert [chooser.choose(_body([k] * 20)).order[0] for k in range(4)] == [D[1]] * 4
+    chooser.set_free(D[1], 0.05)
+    assert chooser.choose(_body([9] * 20)).order[0] == D[0]

@@ -16,6 +16,7 @@ backend's own 503 (overloaded: it says when to retry), which passes through with
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from pdflow.serve.errors import APIError, error_body
 from pdflow.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdflow.serve.openapi import install_openapi
 from pdflow.serve.pd_wire import PREFILL_HEADER
-from pdflow.serve.router_policy import Chooser, RoundRobin
+from pdflow.serve.router_policy import Chooser, RoundRobin, poll_free
 from pdflow.spec.router import RouterSpec
 
 __all__ = ["RoundRobin", "create_router"]
@@ -67,7 +68,15 @@ def create_router(backends: list[str], *, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        polling = None
+        if chooser.router.policy != "round_robin":  # load and prefix read the instances' free blocks
+            auth = {"authorization": f"Bearer {forward_key}"} if forward_key else None
+            polling = asyncio.create_task(poll_free(chooser, client, headers=auth))
         yield
+        if polling is not None:
+            polling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await polling
         await client.aclose()
 
     app = FastAPI(title="pdflow router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)

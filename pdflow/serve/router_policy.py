@@ -1,7 +1,8 @@
 """How the router picks instances: round robin, by load, or by prefix overlap.
 
 ``load``: the router counts the requests it has in flight at each instance (its own
-view of their queues) and tries the least loaded first. ``prefix``: an approximate,
+view of their queues) and tries the least loaded first, then the one whose KV pool is
+most free (polled from each instance's ``/metrics`` twice a second). ``prefix``: an approximate,
 router-side index of which decode instance got which prompt blocks. A prompt is cut
 into blocks the way the engine cuts it (``block_tokens`` token ids per block, each
 hash chained to the one before, so a hit means the whole prefix matches); a text
@@ -127,6 +128,8 @@ class Chooser:
         self.prefill = RoundRobin(prefill, shift_every=len(self.decode.backends)) if prefill else None
         every = self.decode.backends + (self.prefill.backends if self.prefill else [])
         self.in_flight = dict.fromkeys(every, 0)
+        # Free fraction of each instance's KV pool, as its /metrics last said (1.0 until then).
+        self.free = dict.fromkeys(every, 1.0)
         self.index = PrefixIndex(every, router.index_blocks)
         self.local_prefills = 0  # every prefill instance was saturated (the router's count)
         self._lock = threading.Lock()
@@ -154,12 +157,17 @@ class Chooser:
             if choice.producer is not None:
                 self.in_flight[choice.producer] -= 1
 
+    def set_free(self, backend: str, fraction: float) -> None:
+        """An instance's free KV-block fraction, from its /metrics (``poll_free``)."""
+        self.free[backend] = fraction
+
     def _rank(self, order: list[str], hashes: list[bytes]) -> list[str]:
-        """Longest prefix overlap first (prefix policy), then fewest in flight; stable,
-        so round-robin order breaks the remaining ties."""
+        """Longest prefix overlap first (prefix policy), then fewest in flight, then the
+        most free KV blocks; stable, so round-robin order breaks the remaining ties."""
         with self._lock:
             load = dict(self.in_flight)
-        return sorted(order, key=lambda b: (-self.index.overlap(b, hashes) if hashes else 0, load[b]))
+        return sorted(order, key=lambda b: (-self.index.overlap(b, hashes) if hashes else 0, load[b],
+                                            -self.free[b]))
 
     def _producer(self, hashes: list[bytes]) -> str | None:
         if self.prefill is None:
@@ -174,3 +182,28 @@ class Chooser:
                 self.local_prefills += 1
                 return None
         return order[0]
+
+
+async def poll_free(chooser: Chooser, client, *, every_s: float = 0.5, headers: dict | None = None) -> None:
+    """Keep ``chooser.free`` current from each instance's ``pdflow_kv_blocks_free`` /
+    ``pdflow_kv_blocks_total`` (runs until cancelled; an instance that does not answer
+    keeps its last value)."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def one(backend: str) -> None:
+        try:
+            r = await client.get(backend + "/metrics", timeout=2.0, headers=headers or {})
+        except Exception:  # unreachable now: the request path reports that
+            return
+        if r.status_code != 200:
+            return
+        values = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+                  if s.name in ("pdflow_kv_blocks_free", "pdflow_kv_blocks_total")}
+        if values.get("pdflow_kv_blocks_total"):
+            chooser.set_free(backend, values.get("pdflow_kv_blocks_free", 0.0) / values["pdflow_kv_blocks_total"])
+
+    while True:
+        await asyncio.gather(*(one(b) for b in chooser.free))
+        await asyncio.sleep(every_s)
