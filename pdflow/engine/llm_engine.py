@@ -300,6 +300,7 @@ class LLMEngine:
                        num_prompt_tokens=len(prompt_token_ids), sampling=sampling)
         seq.num_cached_tokens = self.blocks.match_prefix(seq) if reuse_prefix else 0
         if not self.blocks.allocate(seq, seq.num_tokens):
+            self.blocks.hit_tokens -= seq.num_cached_tokens  # not admitted: no hit yet
             self.blocks.free(seq)  # the matched prefix blocks, if any
             return None
         self.scheduler.park(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
