@@ -4,12 +4,18 @@ ordering, and local prefill when every prefill instance is saturated."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from pdflow import compose
+from pdflow.serve.router import create_router
 from pdflow.serve.router_policy import Chooser, PrefixIndex, chain_hashes, prompt_blocks
+from pdflow.serve.server import ServerThread
 from pdflow.spec.errors import ConfigError
 from pdflow.spec.router import RouterSpec
 
@@ -92,3 +98,37 @@ def test_load_policy_breaks_an_in_flight_tie_by_free_kv_blocks():
     assert [chooser.choose(_body([k] * 20)).order[0] for k in range(4)] == [D[1]] * 4
     chooser.set_free(D[1], 0.05)
     assert chooser.choose(_body([9] * 20)).order[0] == D[0]
+
+
+def _named_backend(name: str) -> FastAPI:
+    """Answers every completion with its name, streamed when asked."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        if not body.get("stream"):
+            return {"backend": name}
+
+        async def chunks():
+            yield f'data: {{"backend": "{name}"}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_the_router_releases_each_request_it_counted_streamed_or_not():
+    """policy=load through real HTTP: a streamed answer's request leaves the in-flight count
+    once its stream ends, so later requests keep the round-robin order on the tie; a leaked
+    count would send all of them to the other backend."""
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(ServerThread(_named_backend(n))).url for n in ("a", "b")]
+        router = stack.enter_context(ServerThread(create_router(urls, router=RouterSpec(policy="load"))))
+        got = []
+        for i in range(4):
+            body = {"model": "m", "prompt": [i] * 20, "max_tokens": 1, "stream": i == 0}
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+            got.append(r.text.split('"backend": "')[1][0] if i == 0 else r.json()["backend"])
+    assert got == ["a", "b", "a", "b"]
