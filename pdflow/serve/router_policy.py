@@ -16,12 +16,15 @@ idle router with no history behaves like ``round_robin``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdflow.spec.router import RouterSpec
 
@@ -188,10 +191,6 @@ async def poll_free(chooser: Chooser, client, *, every_s: float = 0.5, headers: 
     """Keep ``chooser.free`` current from each instance's ``pdflow_kv_blocks_free`` /
     ``pdflow_kv_blocks_total`` (runs until cancelled; an instance that does not answer
     keeps its last value)."""
-    import asyncio
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     async def one(backend: str) -> None:
         try:
             r = await client.get(backend + "/metrics", timeout=2.0, headers=headers or {})
