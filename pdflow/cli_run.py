@@ -116,7 +116,9 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         if planned.pruned is not None:
             print(f"pdflow run: pruned before launch: {planned.pruned}", file=sys.stderr)
             return {OBJECTIVE: 0.0}
-        workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir())
+        workloads = build_workloads(spec.workload, vocab=spec.model.vocab, base_dir=launch_dir(),
+                                    block_tokens=spec.decode.block_size,
+                                    kv_bytes_per_block=graph.transfer_bytes_per_block)
         prepared = prepare(workloads)  # a bad trace fails here, before anything launches
         began = time.monotonic()
         with serve_spec(spec, port=0) as served:  # healthy: every rank built and warmed up

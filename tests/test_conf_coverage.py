@@ -20,12 +20,12 @@ TINY = ["workload.num_requests=1", "workload.max_tokens=4", "workload.concurrenc
         "workload.input_len=[8,16]", "workload.output_len=[2,4]", "workload.trace=trace.jsonl",
         "workload.progress=false"]
 HF_TINY = ["model=hf", "model.path=pdflow:assets/tiny"]
-WORKLOADS = "accuracy,arith,default,needle,prefill,replay,serve"
+WORKLOADS = "accuracy,arith,default,multiturn,needle,prefill,replay,serve"
 
 # name -> (pdflow run arguments, jobs it runs). Every job must serve without an error.
 RUNS = {
     "workloads": (["-m", f"workload={WORKLOADS}", "prefill=tp1", "decode=tp1", "drafter=none",
-                   "transfer=mooncake_tcp"], 7),
+                   "transfer=mooncake_tcp"], 8),
     "ref_accuracy": (["+experiment=ref_accuracy", "prefill=pp4-uneven", "decode=tp2", "drafter=dspark",
                       "transfer=nccl"], 1),
     "ref_prefill_cost": (["+experiment=ref_prefill_cost", "prefill=pp4", "decode=tp4", "drafter=eagle"], 1),

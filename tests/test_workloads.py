@@ -190,3 +190,24 @@ def test_runner_keeps_each_workloads_own_figures_beside_the_prefixed_flat_metric
         assert "arith_ttft_p50_s" not in own and "needle_ttft_p50_s" not in own
     assert result.per_workload["arith"]["accuracy"] == result.metrics["arith_strict"] == 0.0
     assert result.per_workload["needle"]["accuracy"] == result.metrics["needle_accuracy"] == 0.0
+
+
+def test_multiturn_later_turns_repeat_the_turn_before_in_round_order():
+    (w,) = build_workloads(spec(kind="multiturn", num_requests=15, conversations=5, prompt_tokens=64,
+                                prefix_reuse=0.8, max_tokens=3), vocab=128, block_tokens=16, kv_bytes_per_block=100)
+    reqs = w.requests()
+    assert [r.meta["turn"] for r in reqs] == [0] * 5 + [1] * 5 + [2] * 5
+    last = {}
+    for r in reqs:
+        c = r.meta["conversation"]
+        if c in last:
+            assert r.prompt[: len(last[c])] == last[c]
+            assert len(last[c]) / len(r.prompt) == pytest.approx(0.8, abs=0.02)
+        last[c] = r.prompt
+    assert [r.meta["conversation"] for r in reqs[5:10]] != [r.meta["conversation"] for r in reqs[:5]]  # shuffled
+    (fresh,) = build_workloads(spec(kind="multiturn", num_requests=4, conversations=2, prompt_tokens=32,
+                                    prefix_reuse=0.0), vocab=128)
+    assert all(len(r.prompt) == 32 for r in fresh.requests())
+    task, _ = w.score(reqs[:2], [ok(prompt_tokens=80, cached_tokens=64), ok(prompt_tokens=64, cached_tokens=0)])
+    assert task["multiturn_cache_hit_rate"] == pytest.approx(64 / 144)
+    assert task["multiturn_kv_bytes_per_request"] == pytest.approx((1 + 4) * 100 / 2)

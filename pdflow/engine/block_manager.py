@@ -61,24 +61,36 @@ class BlockManager:
         """Attach cached blocks for the longest matching run of full prompt blocks and
         return the tokens they hold. The last token is never served from cache: its
         logits must be computed."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if seq.block_table or seq.sampling.prompt_logprobs is not None:  # every position computed
             return 0
-        if seq.sampling.prompt_logprobs is not None:  # every prompt position must be computed
-            return 0
-        bs, parent = self.block_size, None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        for block_id, h in self._cached_run(seq.token_ids):
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.hit_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def peek_prefix(self, token_ids: list[int]) -> int:
+        """Tokens ``match_prefix`` would serve from cache for this prompt, taking nothing
+        (P/D: whether a prompt's uncached part is short enough to prefill locally)."""
+        return len(self._cached_run(token_ids)) * self.block_size
+
+    def _cached_run(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(block id, hash) of the cached blocks that hold the prompt's leading full blocks,
+        the last token left out."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, parent, run = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
-            self._take(block_id)
-            seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
+            run.append((block_id, h))
             parent = h
-        seq.num_computed_tokens = len(seq.block_table) * bs
-        self.hit_tokens += seq.num_computed_tokens
-        return seq.num_computed_tokens
+        return run
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change)

@@ -59,6 +59,8 @@ class LLMEngine:
         # P/D producer: exports handed to the ranks and not yet settled (the requests'
         # blocks are held until then: ``SequenceStatus.SENDING_KV``).
         self._unsettled = 0
+        # P/D producer: blocks handed to the KV sender, over every export (reported).
+        self.exported_blocks = 0
 
     @property
     def executor(self) -> Executor:
@@ -285,15 +287,21 @@ class LLMEngine:
         return outputs
 
     def add_remote_request(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, *,
+        reuse_prefix: bool = False,
     ) -> list[int] | None:
         """Allocate blocks for the prompt and park the request until its KV has arrived;
-        returns the block ids the producer writes into, or None when the pool is short
-        now (try again after some requests finish)."""
+        returns the prompt's block ids, or None when the pool is short now (try again
+        after some requests finish). ``reuse_prefix``: the leading blocks come from this
+        instance's prefix cache (``num_cached_tokens`` of the parked sequence says how
+        many tokens), and the producer writes only the blocks after them."""
         self._check_prompt(prompt_token_ids, request_id)
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=len(prompt_token_ids), sampling=sampling)
+        seq.num_cached_tokens = self.blocks.match_prefix(seq) if reuse_prefix else 0
         if not self.blocks.allocate(seq, seq.num_tokens):
+            self.blocks.hit_tokens -= seq.num_cached_tokens  # not admitted: no hit yet
+            self.blocks.free(seq)  # the matched prefix blocks, if any
             return None
         self.scheduler.park(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
         return list(seq.block_table)
@@ -302,12 +310,12 @@ class LLMEngine:
                                 first: TokenOutput | None = None) -> TokenOutput:
         """The prompt's KV is in this instance's blocks and the producer sampled ``token``:
         decode on from there, as if this instance had prefilled itself. ``first``: the
-        producer's report of that token, whose logprobs and prefix-cache hits travel on."""
+        producer's report of that token, whose logprobs travel on (the prefix-cache hits
+        reported are this instance's: the prompt tokens whose KV did not move)."""
         seq = self.scheduler.unpark(request_id, SequenceStatus.WAITING_FOR_REMOTE_KV)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         if first is not None:
-            seq.num_cached_tokens = first.num_cached_tokens
             seq.prompt_logprobs = list(first.prompt_logprobs or [])
             seq.prompt_top_logprobs = list(first.prompt_top_logprobs or [])
         seq.num_computed_tokens = seq.num_prompt_tokens
@@ -345,6 +353,7 @@ class LLMEngine:
             self._released = []
             self.executor.submit(step)
             self._unsettled += len(step.exports)
+            self.exported_blocks += sum(len(e.dst_blocks) for e in step.exports)
             for seq in batch.seqs:
                 seq.in_flight, seq.last_step = True, number
                 seq.fresh = False

@@ -12,12 +12,15 @@ from pdflow.spec_decode.stats import AcceptanceStats
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KVTarget:
     """P/D, producer side: where this prompt's KV goes once prefilled (the consumer's
-    block ids for the prompt, in order), the nonce that names this transfer, and which
-    consumer instance it is (the id it paired under; "" for ``Deployment``'s one)."""
+    block ids for the prompt's blocks ``first_block``.., in order), the nonce that names
+    this transfer, and which consumer instance it is (the id it paired under; "" for
+    ``Deployment``'s one). ``first_block``: the prompt blocks before it are in the
+    consumer's prefix cache already, so only the suffix moves."""
 
     blocks: tuple[int, ...]
     nonce: int
     consumer: str = ""
+    first_block: int = 0
 
 
 class SequenceStatus(enum.Enum):

@@ -94,7 +94,8 @@ def build_step_input(
             if target is not None and seq.num_output_tokens == 0:  # the prompt is complete
                 exports.append(KVExport(
                     request_id=seq.request_id, nonce=target.nonce, consumer=target.consumer,
-                    src_blocks=seq.block_table[: len(target.blocks)], dst_blocks=list(target.blocks),
+                    src_blocks=seq.block_table[target.first_block:target.first_block + len(target.blocks)],
+                    dst_blocks=list(target.blocks),
                 ))
     width = max(len(seq.block_table) for seq in batch.seqs)
     tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]

@@ -88,6 +88,12 @@ class RunGraph:
         """The consumer ranks a producer rank's cut plans write into."""
         return sorted({c.consumer_rank for c in self.cuts if c.producer_rank == producer_rank})
 
+    @property
+    def transfer_bytes_per_block(self) -> int:
+        """Bytes one prompt block moves from the producer to the consumer, over every cut
+        plan (what P/D transfer counters multiply blocks by)."""
+        return sum(c.bytes_per_block for c in self.cuts)
+
     def to_dict(self) -> dict:
         """Plain data for ``pdflow plan --json`` and for logging."""
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "spec"}

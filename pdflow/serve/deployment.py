@@ -25,8 +25,8 @@ from pdflow.engine.instance import Instance
 from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
+from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.engine.sequence import KVTarget
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.graph.host import read_devices
 from pdflow.spec import RunSpec
@@ -77,6 +77,8 @@ class Deployment(EngineFacts):
         self._keep: set[str] = set()
         # Why an instance was lost (it serves nothing more); None while it is up.
         self.lost: dict[str, str | None] = {PRODUCER: None, CONSUMER: None}
+        # The consumer's admissions: remote or local prefills, prompt tokens reused.
+        self.reuse = ReuseCounts()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -185,12 +187,15 @@ class Deployment(EngineFacts):
         while self._queue:
             req = self._queue[0]
             if self._up(PRODUCER) and self._up(CONSUMER):
-                blocks = self.consumer.add_remote_request(req.prompt, req.sampling, req.request_id)
-                if blocks is None:
+                router = self.spec.router
+                admitted = admit_to_consumer(self.consumer, req.prompt, req.sampling, req.request_id,
+                                             reuse=router.prefix_reuse, local_below=router.local_prefill_tokens,
+                                             counts=self.reuse)
+                if not admitted.local and admitted.target is None:
                     return  # the consumer's pool is full: admit after some requests finish
-                first = dataclasses.replace(req.sampling, max_tokens=1)
-                target = KVTarget(blocks=tuple(blocks), nonce=self.consumer.instance.kv_nonce(blocks))
-                self.producer.add_request(req.prompt, first, req.request_id, kv_target=target)
+                if admitted.target is not None:
+                    first = dataclasses.replace(req.sampling, max_tokens=1)
+                    self.producer.add_request(req.prompt, first, req.request_id, kv_target=admitted.target)
             else:
                 alone = self.consumer if self._up(CONSUMER) else self.producer if self._up(PRODUCER) else None
                 if alone is None:
@@ -330,6 +335,13 @@ class Deployment(EngineFacts):
     @property
     def compile_s(self) -> float:
         return sum(e.instance.compile_s for e in (self.producer, self.consumer) if e is not None)
+
+    @property
+    def kv_bytes_sent(self) -> int:
+        """Prompt KV bytes the producer handed to its sender so far (prefix reuse on the
+        consumer lowers it: only uncached suffixes move)."""
+        p = self.producer
+        return p.exported_blocks * p.graph.transfer_bytes_per_block if p is not None else 0
 
     def free_kv_blocks(self) -> dict[str, int]:
         """Free blocks of each live instance (equal to its pool when idle: no leak)."""

@@ -75,7 +75,8 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
             check_instances(list(spec.serve.prefill), list(spec.serve.decode), api_key=key,
                             timeout=spec.serve.ready_timeout_s)
             app = create_router(list(spec.serve.decode), api_key=key, prefill=list(spec.serve.prefill),
-                                max_body_bytes=spec.serve.max_body_bytes)
+                                max_body_bytes=spec.serve.max_body_bytes, router=spec.router,
+                                block_tokens=spec.decode.block_size)
         elif spec.serve.backends:
             from pdflow.serve.router import create_router
 

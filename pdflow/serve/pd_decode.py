@@ -1,7 +1,9 @@
 """A consumer instance served on its own (``pdflow serve serve.role=decode``).
 
 A request the router sends with ``x-pdflow-prefill: <producer URL>`` is admitted the way
-``Deployment`` admits one: the consumer allocates the prompt's blocks and parks it; a
+``Deployment`` admits one (``engine/remote_admission``: after the blocks its prefix cache
+holds, or prefilled here when the uncached part is short): the consumer allocates the
+prompt's blocks and parks it; a
 worker thread pairs with that producer once (``POST /pdflow/pair``: this instance's KV
 endpoints) and asks it to prefill into those blocks (``POST /pdflow/prefill``); the
 answer's first token resumes the request here, which decodes on. A failed exchange ends
@@ -27,6 +29,7 @@ from fastapi import Depends, FastAPI
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
+from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.admission import AdmissionPolicy
 from pdflow.serve.api import EngineHost, bearer_guard
@@ -42,6 +45,7 @@ from pdflow.serve.pd_wire import (
     PrefillAnswer,
     RemotePrefill,
 )
+from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.serve.serving_core import Ticket
 
 IDLE_WAIT_S = 0.005
@@ -104,6 +108,7 @@ class DecodeBackend(EngineFacts):
         self._draft_counts = DraftCounts()
         self._paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
+        self.reuse = ReuseCounts()  # remote and local prefills, prompt tokens reused (/metrics)
         self._pair_lock = threading.Lock()
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
@@ -113,7 +118,8 @@ class DecodeBackend(EngineFacts):
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         rid = f"r{next(self._ids)}"
-        if not isinstance(prompt_token_ids, PrefillFrom):
+        if not isinstance(prompt_token_ids, PrefillFrom):  # the router had it prefill here
+            self.reuse.local_prefills += 1
             return self.engine.add_request(list(prompt_token_ids), sampling, rid)
         if not self._start(rid, prompt_token_ids, sampling):  # a refused prompt raises here
             self.waiting.append((rid, prompt_token_ids, sampling))
@@ -151,11 +157,15 @@ class DecodeBackend(EngineFacts):
     def _start(self, rid: str, prompt: PrefillFrom, sampling: SamplingParams) -> bool:
         """Allocate the prompt's blocks and hand the prefill to a worker thread; False
         while the pool is short."""
-        blocks = self.engine.add_remote_request(list(prompt), sampling, rid)
-        if blocks is None:
-            return False
+        router = self.engine.spec.router
+        admitted = admit_to_consumer(self.engine, list(prompt), sampling, rid, reuse=router.prefix_reuse,
+                                     local_below=router.local_prefill_tokens, counts=self.reuse)
+        if admitted.local or admitted.target is None:
+            return admitted.local
+        target = admitted.target
         job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
-                            sampling=sampling, blocks=blocks, nonce=self.engine.instance.kv_nonce(blocks))
+                            sampling=sampling, blocks=list(target.blocks), nonce=target.nonce,
+                            first_block=target.first_block)
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, prompt.producer, job)
         return True
@@ -214,6 +224,7 @@ def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
     backend: DecodeBackend | None = host.backend if host is not None else None
     if backend is not None:
         host.metrics.count_pairings(backend.pairings)
+        host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():

@@ -38,6 +38,7 @@ from pdflow.serve.pd_wire import (
     PrefillAnswer,
     RemotePrefill,
 )
+from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.transfer.errors import PairingRefused
 
 IDLE_SLEEP_S = 0.002
@@ -140,7 +141,7 @@ class PrefillBackend(EngineFacts):
                     continue
                 self.paired.add(cid)
                 self.pairings[cid] = self.pairings.get(cid, 0) + 1
-            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid)
+            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid, first_block=job.first_block)
             try:
                 self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1),
                                         rid, kv_target=target)
@@ -160,6 +161,7 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     backend: PrefillBackend = host.backend
     guard = [Depends(bearer_guard(api_key))]
     host.metrics.count_pairings(backend.pairings)
+    host.metrics.registry.register(ReuseCollector(producer=backend.engine))
 
     @app.get(INSTANCE_PATH, dependencies=guard)
     async def instance():

@@ -59,6 +59,9 @@ class RemotePrefill(msgspec.Struct, kw_only=True):
     sampling: SamplingParams
     blocks: list[int]
     nonce: int
+    # The prompt's blocks before this one are in the consumer's prefix cache: ``blocks``
+    # receive blocks first_block.. (the producer still computes the whole prompt).
+    first_block: int = 0
 
 
 class PrefillAnswer(msgspec.Struct, kw_only=True):

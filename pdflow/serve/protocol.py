@@ -15,7 +15,7 @@ Accepted as vLLM accepts them (what evaluation and benchmark clients send):
 - chat ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs``).
 - ``stream_options.include_usage``: a last chunk with ``usage`` (and ``usage: null`` on
   the others). Every usage says ``prompt_tokens_details.cached_tokens``: the prompt tokens
-  served from the prefix cache.
+  served from the prefix cache (under P/D, the decode side's: tokens whose KV did not move).
 
 Refused (400): penalties, ``logit_bias``, ``suffix``, tools. pdflow extensions, as vLLM
 names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.

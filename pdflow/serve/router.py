@@ -1,7 +1,8 @@
 """A router with the instance API: forwards each request to a backend URL and streams the
 answer back unchanged.
 
-Backends are picked round robin (``RoundRobin``). With ``prefill`` URLs the backends are
+Backends are picked under ``router.policy`` (``router_policy``: round robin, by load,
+or by prefix overlap; round robin by default). With ``prefill`` URLs the backends are
 decode instances and each generation request is paired: it goes to the next decode
 instance with a prefill instance named in its ``x-pdflow-prefill`` header, and the
 decode instance has that one prefill it (``pd_decode``). The prefill instances turn one
@@ -17,15 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
-import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.requests import ClientDisconnect
 
 from pdflow.serve.api import GENERATION_BODIES, bearer_guard, install_error_handlers
@@ -33,30 +33,13 @@ from pdflow.serve.errors import APIError, error_body
 from pdflow.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdflow.serve.openapi import install_openapi
 from pdflow.serve.pd_wire import PREFILL_HEADER
+from pdflow.serve.router_policy import Chooser, RoundRobin, poll_free
+from pdflow.spec.router import RouterSpec
+
+__all__ = ["RoundRobin", "create_router"]
 
 FORWARDED_HEADERS = ("content-type", "accept")
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-
-
-class RoundRobin:
-    """Backends in turn; ``pick`` gives the order to try them in for one request."""
-
-    def __init__(self, backends: list[str], *, shift_every: int = 0):
-        if not backends:
-            raise ValueError("a router needs at least one backend URL")
-        self.backends = [b.rstrip("/") for b in backends]
-        # Every ``shift_every`` picks, start one further on (pairing with a round robin of
-        # that many others, so every pair of the two comes up).
-        self.shift_every = shift_every
-        self._next = itertools.count()
-        self._lock = threading.Lock()
-
-    def pick(self) -> list[str]:
-        with self._lock:
-            k = next(self._next)
-            # the other round robin's place, plus one per round of it
-            start = (k % self.shift_every + k // self.shift_every if self.shift_every else k) % len(self.backends)
-        return self.backends[start:] + self.backends[:start]
 
 
 class RouterMetrics:
@@ -72,17 +55,29 @@ class RouterMetrics:
 def create_router(backends: list[str], *, api_key: str | None = None,
                   backend_api_key: str | None = None, timeout_s: float = 600.0,
                   prefill: list[str] | None = None,
-                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """``backend_api_key`` (default: ``api_key``) is sent to the backends."""
-    picker = RoundRobin(backends)
-    producers = RoundRobin(prefill, shift_every=len(picker.backends)) if prefill else None
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                  router: RouterSpec | None = None, block_tokens: int = 16) -> FastAPI:
+    """``backend_api_key`` (default: ``api_key``) is sent to the backends. ``router``:
+    the policy (default round robin); ``block_tokens``: the instances' KV block size,
+    which the prefix policy cuts prompts by."""
+    chooser = Chooser(backends, prefill, router or RouterSpec(), block_tokens=block_tokens)
+    picker, producers = chooser.decode, chooser.prefill
     metrics = RouterMetrics()
+    metrics.registry.register(_LocalPrefills(chooser))
     forward_key = backend_api_key if backend_api_key is not None else api_key
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        polling = None
+        if chooser.router.policy != "round_robin":  # load and prefix read the instances' free blocks
+            auth = {"authorization": f"Bearer {forward_key}"} if forward_key else None
+            polling = asyncio.create_task(poll_free(chooser, client, headers=auth))
         yield
+        if polling is not None:
+            polling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await polling
         await client.aclose()
 
     app = FastAPI(title="pdflow router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -100,10 +95,11 @@ def create_router(backends: list[str], *, api_key: str | None = None,
     async def forward(request: Request, *, paired: bool = False) -> Response:
         body = await request.body()
         headers = headers_for(request)
-        if paired and producers is not None:
-            headers[PREFILL_HEADER] = producers.pick()[0]
+        choice = chooser.choose(body if paired else None)
+        if choice.producer is not None:
+            headers[PREFILL_HEADER] = choice.producer
         unreachable = []
-        for backend in picker.pick():
+        for backend in choice.order:
             upstream = client.build_request(request.method, backend + request.url.path, content=body,
                                             headers=headers)
             try:
@@ -116,7 +112,8 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                 metrics.count(backend, "failed")
                 raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
                                code="backend_error") from exc
-            return await relay(backend, answer)
+            chooser.started(choice, backend)
+            return await relay(backend, answer, lambda b=backend: chooser.finished(choice, b))
         raise APIError(503, f"no backend could be reached: {', '.join(unreachable)}", code="no_backend")
 
     async def until_answered_or_gone(request: Request, sending) -> httpx.Response:
@@ -135,7 +132,18 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             raise ClientDisconnect()
         return send.result()
 
-    async def relay(backend: str, answer: httpx.Response) -> Response:
+    async def relay(backend: str, answer: httpx.Response, done: Callable[[], None]) -> Response:
+        """The backend's answer; ``done`` once it has been read to the end (or failed)."""
+        try:
+            reply = await relay_of(backend, answer, done)
+        except BaseException:
+            done()
+            raise
+        if not isinstance(reply, StreamingResponse):
+            done()
+        return reply
+
+    async def relay_of(backend: str, answer: httpx.Response, done: Callable[[], None]) -> Response:
         if answer.status_code == 503 and "retry-after" in answer.headers:
             content = await answer.aread()
             await answer.aclose()
@@ -154,10 +162,10 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             metrics.count(backend, "ok" if answer.status_code < 400 else "rejected")
             return Response(content, status_code=answer.status_code, media_type=media)
         metrics.count(backend, "ok")
-        return StreamingResponse(stream_through(backend, answer), status_code=answer.status_code,
+        return StreamingResponse(stream_through(backend, answer, done), status_code=answer.status_code,
                                  media_type=media, headers={"Cache-Control": "no-cache"})
 
-    async def stream_through(backend: str, answer: httpx.Response) -> AsyncIterator[bytes]:
+    async def stream_through(backend: str, answer: httpx.Response, done: Callable[[], None]) -> AsyncIterator[bytes]:
         """Bytes as they come; a cut stream ends with an error event instead of [DONE].
         Leaving early (the client went away) closes the upstream, which aborts there."""
         try:
@@ -169,6 +177,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                               code="backend_error")
             yield b"data: " + json.dumps(body).encode() + b"\n\n"
         finally:
+            done()
             await answer.aclose()
 
     @app.get("/health")
@@ -203,3 +212,15 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         return await forward(request, paired=True)
 
     return app
+
+
+class _LocalPrefills:
+    """``pdflow_router_local_prefills_total``: requests sent without a prefill instance
+    because every one was saturated (the decode instance prefilled them)."""
+
+    def __init__(self, chooser: Chooser):
+        self.chooser = chooser
+
+    def collect(self):
+        yield CounterMetricFamily("pdflow_router_local_prefills", "Requests the decode instance prefilled: "
+                                  "every prefill instance was saturated.", value=self.chooser.local_prefills)

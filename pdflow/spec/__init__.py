@@ -3,6 +3,7 @@
 from pdflow.spec.drafter import DrafterSpec
 from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
+from pdflow.spec.router import RouterSpec
 from pdflow.spec.run import RunSpec, ServeSpec, SloSpec, TrackingSpec, WorkloadSpec
 from pdflow.spec.transfer import TransferSpec
 
@@ -10,6 +11,7 @@ __all__ = [
     "DrafterSpec",
     "ModelSpec",
     "ParallelSpec",
+    "RouterSpec",
     "RunSpec",
     "ServeSpec",
     "SloSpec",

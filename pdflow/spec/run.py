@@ -9,9 +9,10 @@ from omegaconf import MISSING
 from pdflow.spec.drafter import DrafterSpec
 from pdflow.spec.model import ModelSpec
 from pdflow.spec.parallel import ParallelSpec
+from pdflow.spec.router import RouterSpec
 from pdflow.spec.transfer import TransferSpec
 
-WORKLOAD_KINDS = ("none", "arith", "needle", "accuracy", "prefill", "serve", "replay")
+WORKLOAD_KINDS = ("none", "arith", "needle", "accuracy", "prefill", "serve", "replay", "multiturn")
 
 
 def _check_range(name: str, pair: list[int]) -> None:
@@ -67,7 +68,8 @@ class WorkloadSpec:
     ``kind``: ``arith`` (k-shot problems, strict/flexible accuracy), ``needle`` (a fact
     at each of ``depths`` of a ``context_len`` haystack), ``accuracy`` (both), ``prefill``
     (random ``prompt_tokens``-token prompts, one output token), ``serve`` (mixed lengths
-    from ``input_len``/``output_len``), ``replay`` (the JSONL ``trace``), ``none``."""
+    from ``input_len``/``output_len``), ``replay`` (the JSONL ``trace``), ``multiturn``
+    (conversations whose later turns repeat ``prefix_reuse`` of their prompt), ``none``."""
 
     kind: str = "none"
     # arith: problems; needle: samples per depth; prefill/serve: requests; replay: cap (0 = all).
@@ -93,6 +95,10 @@ class WorkloadSpec:
     progress: bool = True
     # serve/replay: objectives; when set the run reports goodput (bench/goodput.py).
     slo: SloSpec = field(default_factory=SloSpec)
+    # multiturn: conversations the requests are spread over, and the part of each later
+    # turn's prompt that repeats the turn before it (0: no reuse).
+    conversations: int = 4
+    prefix_reuse: float = 0.8
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -105,6 +111,9 @@ class WorkloadSpec:
             raise ValueError(f"workload.context_len must be >= 64 tokens, got {self.context_len}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"workload.depths must be fractions in [0, 1], got {list(self.depths)}")
+        if self.conversations < 1 or not 0.0 <= self.prefix_reuse < 1.0:
+            raise ValueError("workload.multiturn needs conversations >= 1 and 0 <= prefix_reuse < 1, got "
+                             f"{self.conversations} and {self.prefix_reuse}")
         _check_range("input_len", self.input_len)
         _check_range("output_len", self.output_len)
         if self.request_rate < 0 or self.time_scale <= 0 or self.request_timeout_s <= 0:
@@ -203,6 +212,7 @@ class RunSpec:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     serve: ServeSpec = field(default_factory=ServeSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
     name: str = "pdflow"
     seed: int = 0
     # "pd": a prefill instance writes each prompt's KV into the decode instance.

@@ -40,6 +40,8 @@ class RequestResult:
     num_draft_tokens: int | None = None
     num_accepted_draft_tokens: int | None = None
     num_verify_steps: int | None = None
+    # usage.prompt_tokens_details.cached_tokens, when the server reports it.
+    cached_tokens: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)

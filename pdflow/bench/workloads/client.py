@@ -81,6 +81,7 @@ def _take_usage(result: RequestResult, usage: dict) -> None:
     result.num_draft_tokens = usage.get("num_draft_tokens")
     result.num_accepted_draft_tokens = usage.get("num_accepted_draft_tokens")
     result.num_verify_steps = usage.get("num_verify_steps")
+    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def _message(body: str) -> str:

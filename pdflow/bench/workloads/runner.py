@@ -10,14 +10,17 @@ from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadR
 from pdflow.bench.workloads.client import Target, drive
 from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
+from pdflow.bench.workloads.multiturn import MultiTurnWorkload
 from pdflow.bench.workloads.stats import latency_metrics
 from pdflow.bench.workloads.tasks import ArithWorkload, NeedleWorkload
 from pdflow.spec import WorkloadSpec
 
 
-def build_workloads(spec: WorkloadSpec, *, vocab: int, base_dir: Path | None = None) -> list:
+def build_workloads(spec: WorkloadSpec, *, vocab: int, base_dir: Path | None = None, block_tokens: int = 16,
+                    kv_bytes_per_block: int = 0) -> list:
     """``kind: accuracy`` is arith then needle; ``none`` is nothing. Relative trace paths
-    resolve against ``base_dir`` (the launch directory)."""
+    resolve against ``base_dir`` (the launch directory). ``block_tokens`` and
+    ``kv_bytes_per_block`` (the graph's transfer per block): multiturn's bytes moved."""
     kinds = {
         "none": lambda: [],
         "arith": lambda: [ArithWorkload(spec)],
@@ -26,6 +29,8 @@ def build_workloads(spec: WorkloadSpec, *, vocab: int, base_dir: Path | None = N
         "prefill": lambda: [PrefillWorkload(spec, vocab=vocab)],
         "serve": lambda: [ServeWorkload(spec, vocab=vocab)],
         "replay": lambda: [ReplayWorkload(spec, vocab=vocab, base_dir=base_dir)],
+        "multiturn": lambda: [MultiTurnWorkload(spec, vocab=vocab, block_tokens=block_tokens,
+                                                kv_bytes_per_block=kv_bytes_per_block)],
     }
     return kinds[spec.kind]()
 

@@ -1,0 +1,62 @@
+"""How a P/D consumer admits a prompt: decode-side prefix reuse and local prefill.
+
+Why here: ``Deployment`` and a separately started decode instance (``serve/pd_decode``)
+admit the same way, so the choice and the counts live in one place. The consumer
+matches the prompt against its own prefix cache (whole blocks) and allocates only the
+uncached suffix; the ``KVTarget`` names just those blocks (``first_block`` on), so the
+producer, which still computes the whole prompt (from its own prefix cache where it
+can), writes only them. A prompt whose uncached part is short, or one no producer can
+take now, is prefilled by the consumer itself: no transfer at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdflow.engine.llm_engine import LLMEngine
+from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import KVTarget
+
+
+@dataclass(kw_only=True, slots=True)
+class ReuseCounts:
+    """One consumer's admissions (Prometheus counters, bench ratios)."""
+
+    remote_prefills: int = 0
+    local_prefills: int = 0
+    # Prompt tokens a remote prefill did not move: they were in this instance's cache.
+    reused_tokens: int = 0
+    # Prompt blocks producers were asked to write into this instance.
+    requested_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Admission:
+    """``local``: the consumer prefills it; else ``target`` is where the producer writes
+    (None with ``local`` False: the pool is short now, admit it later)."""
+
+    local: bool = False
+    target: KVTarget | None = None
+
+
+def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: SamplingParams, request_id: str, *,
+                      reuse: bool, local_below: int, counts: ReuseCounts, consumer_id: str = "",
+                      producers_saturated: bool = False) -> Admission:
+    """Admit ``prompt`` on ``consumer``: locally (its uncached part is below
+    ``local_below`` tokens, or ``producers_saturated``), or parked for a producer's KV
+    into the blocks after its cached prefix (``reuse``) or into all of them."""
+    cached = consumer.blocks.peek_prefix(prompt) if reuse else 0
+    if producers_saturated or len(prompt) - cached < local_below:
+        consumer.add_request(prompt, sampling, request_id)
+        counts.local_prefills += 1
+        return Admission(local=True)
+    blocks = consumer.add_remote_request(prompt, sampling, request_id, reuse_prefix=reuse)
+    if blocks is None:
+        return Admission()
+    first = consumer.awaiting_kv[request_id].num_cached_tokens // consumer.blocks.block_size
+    suffix = tuple(blocks[first:])
+    counts.remote_prefills += 1
+    counts.reused_tokens += first * consumer.blocks.block_size
+    counts.requested_blocks += len(suffix)
+    return Admission(target=KVTarget(blocks=suffix, nonce=consumer.instance.kv_nonce(list(suffix)),
+                                     consumer=consumer_id, first_block=first))

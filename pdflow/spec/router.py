@@ -1,0 +1,37 @@
+"""How requests meet P/D instances: the router's choice of instances, and the decode
+side's use of its own prefix cache (see docs/ARCHITECTURE.md, "Prefix reuse and routing")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTER_POLICIES = ("round_robin", "load", "prefix")
+
+
+@dataclass(kw_only=True, slots=True)
+class RouterSpec:
+    # round_robin: instances in turn; load: the one with the fewest requests the router
+    # has in flight there; prefix: the decode instance holding most of the prompt's
+    # leading blocks (a router-side index of what it sent where), ties by load.
+    policy: str = "round_robin"
+    # Decode side: match each prompt against this instance's prefix cache and have the
+    # prefill instance write only the uncached suffix's blocks.
+    prefix_reuse: bool = True
+    # Decode side: a prompt whose uncached part is shorter than this many tokens is
+    # prefilled by the decode instance itself (no transfer); 0: never.
+    local_prefill_tokens: int = 0
+    # Prefix policy: block hashes the router remembers per decode instance (LRU bound).
+    index_blocks: int = 65536
+    # Load policy: a prefill instance with this many prefills in flight is saturated;
+    # when all are, the decode instance prefills locally. 0: no limit.
+    max_prefills_in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"router.policy {self.policy!r} is not one of {ROUTER_POLICIES}")
+        if self.local_prefill_tokens < 0 or self.max_prefills_in_flight < 0:
+            raise ValueError("router.local_prefill_tokens and router.max_prefills_in_flight must be >= 0 "
+                             "(0: never prefill locally / no limit)")
+        if self.index_blocks < 1:
+            raise ValueError(f"router.index_blocks must be >= 1 (block hashes kept per decode instance), "
+                             f"got {self.index_blocks}")

@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""P/D prefix reuse at ~80% reuse vs reuse off, and prefix-aware vs round-robin routing.
+
+``--mode separate`` (default, CPU): one prefill and two decode instances, each its own
+``pdflow serve`` process, behind a router; ``workload=multiturn`` (conversations whose
+later turns repeat ``--reuse`` of their prompt) driven over HTTP. Phases, each with two
+fresh decode instances and a seed of its own (the one prefill instance's cache then never
+holds a phase's prompts ahead of it):
+
+  off       router.prefix_reuse=false (every prompt's whole KV moves), router.policy=prefix
+  on        decode-side reuse (only the uncached suffix moves), router.policy=prefix
+  on+local  reuse, and suffixes below --local tokens prefilled on the decode instance
+  rr        reuse, router.policy=round_robin (the on phase's instances, another seed)
+
+Prints prompt KV bytes sent (the prefill instance's ``pdflow_kv_sent_bytes_total``), TTFT
+p50, and the decode instances' cache hit rate (usage cached_tokens / prompt tokens), and
+the ratios: bytes on/off (goal <= 0.3x), TTFT p50 on/off (goal <= 0.5x), hit rate
+prefix/rr (goal >= 1.5x).
+
+``--mode deployment``: P/D in one process (``pdflow.Deployment``), the conversations one
+request at a time, TTFT from ``Deployment.stream``; reuse on vs off at --reuse, and a
+workload with no reuse. The GPU figure:
+
+    python scripts/bench_prefix_reuse.py --mode deployment --prompt-tokens 1024 --conversations 8 \\
+        --set model=qwen3-0.6b model.path=null prefill.device=cuda decode.device=cuda \\
+        prefill.device_offset=0 decode.device_offset=0 prefill.device_memory_gib=140 \\
+        decode.device_memory_gib=140 prefill.memory=0.3 decode.memory=0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+BASE = ["drafter=none", "tracking=off", "prefill=tp1", "decode=tp1", "prefill.block_size=16",
+        "decode.block_size=16", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16"]
+URL = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("separate", "deployment"), default="separate")
+    p.add_argument("--conversations", type=int, default=5)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="the first turn's prompt")
+    p.add_argument("--reuse", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--local", type=int, default=64, help="router.local_prefill_tokens of the on+local phase")
+    p.add_argument("--phases", default="off,on,on+local,rr", help="separate mode: which phases to run")
+    p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
+    return p.parse_args()
+
+
+# -- separate instances -----------------------------------------------------------------
+
+def base(extra: list[str]) -> list[str]:
+    """BASE less the keys ``extra`` sets (Hydra refuses a key given twice)."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [b for b in BASE if b.split("=", 1)[0] not in keys]
+
+
+def start(role: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", f"role={role}", "serve.port=0",
+                             *base(list(extra)), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+
+
+def url_of(proc: subprocess.Popen, timeout: float = 600) -> str:
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if found := URL.search(line):
+            return found.group(1)
+    raise RuntimeError("no URL from pdflow serve:\n" + "".join(seen[-30:]))
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        proc.stdout.close()
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def workload_spec(args, seed: int):
+    from pdflow.spec import WorkloadSpec
+
+    return WorkloadSpec(kind="multiturn", num_requests=args.conversations * args.turns,
+                        conversations=args.conversations, concurrency=args.concurrency,
+                        prompt_tokens=args.prompt_tokens, prefix_reuse=args.reuse, max_tokens=args.max_tokens,
+                        seed=seed, progress=False)
+
+
+def drive_phase(args, router: str, prefill: str, seed: int) -> dict:
+    from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
+
+    spec = workload_spec(args, seed)
+    sent = counter(prefill, "pdflow_kv_sent_bytes_total")
+    result = run_workloads_sync(Target(url=router, model="tiny"), prepare(build_workloads(spec, vocab=128)), spec)
+    rows = [r for r in result.rows if r["ok"]]
+    if len(rows) != spec.num_requests:
+        raise RuntimeError(f"{spec.num_requests - len(rows)} requests failed: {result.rows[0]}")
+    return {"bytes": counter(prefill, "pdflow_kv_sent_bytes_total") - sent,
+            "ttft_p50": statistics.median(r["ttft_s"] for r in rows),
+            "hit_rate": result.metrics["multiturn_cache_hit_rate"]}
+
+
+def separate(args) -> dict[str, dict]:
+    procs = []
+    try:
+        procs.append(start("prefill", *args.set))
+        prefill = url_of(procs[-1])
+        phases = {"off": ["router.prefix_reuse=false"], "on": [],
+                  "on+local": [f"router.local_prefill_tokens={args.local}"]}
+        wanted, out = set(args.phases.split(",")), {}
+        for seed, (name, extra) in enumerate(phases.items(), start=1):
+            policies = {p: label for p, label in (("prefix", name), ("round_robin", "rr"))
+                        if label in wanted and (label != "rr" or name == "on")}
+            if not policies:
+                continue
+            decode = [start("decode", *extra, *args.set) for _ in range(2)]
+            urls = [url_of(d) for d in decode]
+            for i, (policy, label) in enumerate(policies.items()):
+                router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
+                               f"router.policy={policy}", *args.set)
+                try:
+                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i)
+                finally:
+                    stop([router])
+                print(f"{label:9s} {out[label]}", flush=True)
+            stop(decode)
+        return out
+    finally:
+        stop(procs)
+
+
+# -- one process ------------------------------------------------------------------------
+
+def deployment(args) -> dict[str, dict]:
+    from pdflow import Deployment, SamplingParams, compose
+
+    sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    out = {}
+    with Deployment(compose([*base(args.set), *args.set])) as d:
+        from pdflow.bench.workloads import build_workloads
+
+        warm = workload_spec(args, seed=0)  # untimed: the first steps of each shape build and compile
+        d.generate([r.prompt for r in build_workloads(warm, vocab=d.consumer.config.vocab_size)[0].requests()],
+                   sampling)
+        for seed, (label, reuse, share) in enumerate((("off", False, args.reuse), ("on", True, args.reuse),
+                                                      ("no-reuse-workload", True, 0.0)), start=1):
+            d.spec.router.prefix_reuse = reuse
+            spec = workload_spec(args, seed)
+            spec.prefix_reuse = share
+            (w,) = build_workloads(spec, vocab=d.consumer.config.vocab_size)
+            ttfts, cached, prompt, sent = [], 0, 0, d.kv_bytes_sent
+            for req in w.requests():
+                began = time.perf_counter()
+                for tok in d.stream([req.prompt], sampling):
+                    if tok.index == 0:
+                        ttfts.append(time.perf_counter() - began)
+                        cached += tok.num_cached_tokens
+                prompt += len(req.prompt)
+            out[label] = {"bytes": d.kv_bytes_sent - sent, "ttft_p50": statistics.median(ttfts),
+                          "hit_rate": cached / prompt}
+            print(f"{label:18s} {out[label]}", flush=True)
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    out = separate(args) if args.mode == "separate" else deployment(args)
+    on, off = out.get("on"), out.get("off")
+    print(f"\nprefix reuse at {args.reuse:.0%}, {args.conversations} conversations x {args.turns} turns, "
+          f"first prompt {args.prompt_tokens} tokens, mode={args.mode}, set={args.set}")
+    if on and off:
+        print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")
+        print(f"TTFT p50          on/off: {on['ttft_p50'] / off['ttft_p50']:.3f}x (goal <= 0.5x)")
+    if "on+local" in out and off:
+        local = out["on+local"]
+        print(f"KV bytes sent  local/off: {local['bytes'] / off['bytes']:.3f}x")
+        print(f"TTFT p50       local/off: {local['ttft_p50'] / off['ttft_p50']:.3f}x")
+    if "rr" in out and on:
+        print(f"decode hit rate prefix/rr: {on['hit_rate']:.3f} / {out['rr']['hit_rate']:.3f} = "
+              f"{on['hit_rate'] / max(out['rr']['hit_rate'], 1e-9):.2f}x (goal >= 1.5x)")
+    if "no-reuse-workload" in out and on:
+        print(f"TTFT p50 at {args.reuse:.0%} reuse / no-reuse workload: "
+              f"{on['ttft_p50'] / out['no-reuse-workload']['ttft_p50']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

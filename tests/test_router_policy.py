@@ -1,0 +1,134 @@
+"""The router's choice of instances (``router.policy``), without instances: prompts cut
+into chained block hashes, the LRU-bounded prefix index, prefix-first and least-loaded
+ordering, and local prefill when every prefill instance is saturated."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from pdflow import compose
+from pdflow.serve.router import create_router
+from pdflow.serve.router_policy import Chooser, PrefixIndex, chain_hashes, prompt_blocks
+from pdflow.serve.server import ServerThread
+from pdflow.spec.errors import ConfigError
+from pdflow.spec.router import RouterSpec
+
+D = ["http://d0", "http://d1"]
+P = ["http://p0"]
+
+
+def _body(ids: list[int]) -> bytes:
+    return json.dumps({"prompt": ids, "max_tokens": 2}).encode()
+
+
+def test_token_prompts_cut_into_full_blocks_and_text_by_characters():
+    assert len(prompt_blocks(_body(list(range(40))), 16)) == 2  # the partial third block is left out
+    text = json.dumps({"messages": [{"role": "user", "content": "x" * 200}]}).encode()
+    assert len(prompt_blocks(text, 16)) == (len("user\n") + 200 + 1) // 64
+    assert prompt_blocks(b"not json", 16) == [] and prompt_blocks(b"[1, 2]", 16) == []
+    a, b = chain_hashes([b"1", b"2"]), chain_hashes([b"9", b"2"])
+    assert a[1] != b[1]  # chained: the same block after another prefix is another hash
+
+
+def test_prefix_index_keeps_at_most_capacity_hashes_least_recent_out():
+    index = PrefixIndex(D, capacity=3)
+    hashes = chain_hashes([bytes([i]) for i in range(5)])
+    index.remember(D[0], hashes[:3])
+    assert index.overlap(D[0], hashes) == 3 and index.overlap(D[1], hashes) == 0
+    index.remember(D[0], hashes[3:4])  # the oldest (the first block) goes
+    assert index.overlap(D[0], hashes) == 0
+
+
+def _follow_up_goes_to_first_instance(policy: str) -> list[str]:
+    """Send four conversations' first turns, then each one's second turn: the decode
+    instance each second turn is tried at first, and whether it got that conversation."""
+    chooser = Chooser(D, P, RouterSpec(policy=policy), block_tokens=16)
+    turns = [[c * 1000 + i for i in range(48)] for c in range(3)]
+    where = {}
+    for c, ids in enumerate(turns):
+        choice = chooser.choose(_body(ids))
+        chooser.started(choice, choice.order[0])
+        chooser.finished(choice, choice.order[0])
+        where[c] = choice.order[0]
+    hits = []
+    for c, ids in enumerate(turns):
+        choice = chooser.choose(_body(ids + list(range(32))))
+        hits.append(choice.order[0] == where[c])
+        chooser.started(choice, choice.order[0])
+        chooser.finished(choice, choice.order[0])
+    return hits
+
+
+def test_prefix_policy_sends_a_follow_up_where_its_prefix_went():
+    assert _follow_up_goes_to_first_instance("prefix") == [True, True, True]
+    # Round robin over an odd number of conversations alternates them (the test can fail).
+    assert _follow_up_goes_to_first_instance("round_robin") != [True, True, True]
+
+
+def test_load_policy_tries_the_least_loaded_first_and_prefills_locally_when_saturated():
+    chooser = Chooser(D, P, RouterSpec(policy="load", max_prefills_in_flight=1), block_tokens=16)
+    first = chooser.choose(_body([1] * 20))
+    assert first.producer == P[0]
+    chooser.started(first, first.order[0])
+    busy = first.order[0]
+    second = chooser.choose(_body([2] * 20))
+    assert second.order[0] != busy  # the other one has nothing in flight
+    assert second.producer is None and chooser.local_prefills == 1  # p0 holds its one prefill
+    chooser.finished(first, busy)
+    assert chooser.choose(_body([3] * 20)).producer == P[0]
+
+
+def test_a_bad_router_policy_is_refused_by_name():
+    with pytest.raises(ConfigError, match="router.policy"):
+        compose(["router.policy=nearest"])
+    with pytest.raises(ConfigError, match="local_prefill_tokens"):
+        compose(["router.local_prefill_tokens=-1"])
+
+
+def test_load_policy_breaks_an_in_flight_tie_by_free_kv_blocks():
+    chooser = Chooser(D, P, RouterSpec(policy="load"), block_tokens=16)
+    chooser.set_free(D[0], 0.1)
+    chooser.set_free(D[1], 0.9)
+    assert [chooser.choose(_body([k] * 20)).order[0] for k in range(4)] == [D[1]] * 4
+    chooser.set_free(D[1], 0.05)
+    assert chooser.choose(_body([9] * 20)).order[0] == D[0]
+
+
+def _named_backend(name: str) -> FastAPI:
+    """Answers every completion with its name, streamed when asked."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        if not body.get("stream"):
+            return {"backend": name}
+
+        async def chunks():
+            yield f'data: {{"backend": "{name}"}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_the_router_releases_each_request_it_counted_streamed_or_not():
+    """policy=load through real HTTP: a streamed answer's request leaves the in-flight count
+    once its stream ends, so later requests keep the round-robin order on the tie; a leaked
+    count would send all of them to the other backend."""
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(ServerThread(_named_backend(n))).url for n in ("a", "b")]
+        router = stack.enter_context(ServerThread(create_router(urls, router=RouterSpec(policy="load"))))
+        got = []
+        for i in range(4):
+            body = {"model": "m", "prompt": [i] * 20, "max_tokens": 1, "stream": i == 0}
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+            got.append(r.text.split('"backend": "')[1][0] if i == 0 else r.json()["backend"])
+    assert got == ["a", "b", "a", "b"]
