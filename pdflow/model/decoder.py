@@ -51,7 +51,8 @@ class Attention(nn.Module):
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         if fused:  # one kernel: qk-norm, RoPE in place, and the KV write when bound
-            bound = self.attn.k_cache is not None
+            # (an fp8 cache is written by the backend's quantizing store instead)
+            bound = self.attn.k_cache is not None and not self.attn.quantized
             kv = (self.attn.k_cache, self.attn.v_cache, meta.slot_mapping) if bound else None
             q, k, v = self.rope.rotate_qkv_(
                 positions, qkv, hq, hkv, q_norm=self.q_norm, k_norm=self.k_norm, kv_cache=kv
