@@ -59,6 +59,14 @@ class LLMEngine:
         # P/D producer: exports handed to the ranks and not yet settled (the requests'
         # blocks are held until then: ``SequenceStatus.SENDING_KV``).
         self._unsettled = 0
+        # P/D producer: prompt blocks whose KV landed (with the executor's bytes: /metrics).
+        self.kv_blocks_sent = 0
+
+    @property
+    def kv_bytes_sent(self) -> int:
+        """P/D producer: KV bytes its ranks moved for prompts that landed (0 once shut down)."""
+        executor = self.instance.executor
+        return 0 if executor is None else executor.kv_bytes_sent
 
     @property
     def executor(self) -> Executor:
@@ -252,6 +260,8 @@ class LLMEngine:
             if seq is None:
                 continue
             seq.kv_settled, seq.kv_error = True, error
+            if error is None and seq.kv_target is not None:
+                self.kv_blocks_sent += len(seq.kv_target.blocks)
             if seq.status is SequenceStatus.SENDING_KV:
                 outputs += self._sent(seq)
         return outputs

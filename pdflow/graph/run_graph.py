@@ -141,7 +141,8 @@ def build_graph(spec: RunSpec, devices: DeviceFacts | None = None) -> RunGraph:
         regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
         refusals += region_refusals
         wrong = frozenset(spec.transfer.force_page_ignorant_cut)
-        cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
+        cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong,
+                                                          spec.transfer.force_wrong_scale_cut)
     shared = sharers(list(plans.values()), spec)
     budgets, usable = {}, {}
     for role, plan in plans.items():

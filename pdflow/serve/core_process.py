@@ -153,6 +153,9 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     facts = Facts(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size, block_size=backend.block_size,
                   num_kv_blocks=backend.num_kv_blocks, tokenizer_folder=None if folder is None else str(folder))
     metrics = ServeMetrics(backend, num_active=lambda: len(core.active))  # read at a scrape, once core is set
+    producer = deployment.producer
+    if producer is not None:
+        metrics.count_kv_transfer(lambda: (producer.kv_bytes_sent, producer.kv_blocks_sent))
     admission = AdmissionPolicy(max_queued=spec.serve.max_queued_requests, queue_timeout_s=spec.serve.queue_timeout_s)
     core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=admission)
     server = CoreServer(core, metrics, facts, sock)

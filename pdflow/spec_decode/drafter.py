@@ -277,7 +277,7 @@ def _check_units(config: DrafterConfig, units: Sequence[UnitSpec], tp_rank: int,
     drafts = {(u.layer, u.field): u for u in units if u.family == DRAFT}
     want = {(row, f) for row in range(config.num_layers) for f in ("k", "v")}
     scaled = {(row, f) for row in range(config.num_layers) for f in ("k_scale", "v_scale")}
-    if set(drafts) - scaled != want or not (scaled & set(drafts) in (set(), scaled)):
+    if set(drafts) - scaled != want or (scaled & set(drafts)) not in (set(), scaled):
         raise DraftPlacementMismatch(
             f"rank {tp_rank}: draft units {sorted(drafts)} are not k/v of rows 0..{config.num_layers - 1}; "
             "build the drafter from graph.rank(role, rank).units on the rank that holds it"
