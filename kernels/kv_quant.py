@@ -5,7 +5,9 @@ the biased exponent ``s + 127`` (OCP MX's e8m0). ``s`` is the head's ``amax`` ex
 less 7, so ``|x / 2^s| < 256 <= 448`` (e4m3's largest normal): nothing saturates, and
 since fp8 is a floating-point format its 3-bit relative precision holds at any scale.
 Dividing and multiplying by a power of two are exact in fp32, so fp8's own rounding is
-the only error, and dequantizing (``fp8 -> fp32 * 2^s``) is exact: the Triton kernels,
+the only error (values under e4m3's smallest normal, below 2^-13 of the head's amax, are
+flushed to zero: subnormal rounding is where the interpreter's and the GPU's fp8 casts
+part ways), and dequantizing (``fp8 -> fp32 * 2^s``) is exact: the Triton kernels,
 the ``torch`` backend and this reference agree bit for bit on what is stored and on every
 dequantized value. The exponent comes from the float's bits (no log2), which the Triton
 kernels compute the same way (kernels/store_kv.py).
@@ -19,6 +21,7 @@ FP8 = torch.float8_e4m3fn
 # Keep amax / 2^s in [128, 256); exponents clamped so 2^s and 2^-s are normal fp32.
 HEADROOM_BITS = 7
 MIN_EXP, MAX_EXP = 1, 253
+MIN_NORMAL = 2.0**-6  # e4m3's smallest normal; scaled values below it are stored as 0
 
 __all__ = ["FP8", "dequantize", "exp2_biased", "quantize"]
 
@@ -35,7 +38,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = ((amax.view(torch.int32) >> 23) & 0xFF) - HEADROOM_BITS
     e = e.clamp(MIN_EXP, MAX_EXP)
     inv = exp2_biased(254 - e)
-    return (xf * inv[..., None]).to(FP8), e.to(torch.uint8)
+    y = xf * inv[..., None]
+    y = torch.where(y.abs() < MIN_NORMAL, 0.0, y)
+    return y.to(FP8), e.to(torch.uint8)
 
 
 def dequantize(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
