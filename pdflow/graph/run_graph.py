@@ -84,6 +84,12 @@ class RunGraph:
             None,
         )
 
+    @property
+    def transfer_bytes_per_block(self) -> int:
+        """Bytes one prompt block moves from producer to consumer: every cut plan's runs
+        (KV, scale units and drafter units together); 0 without a producer."""
+        return sum(c.bytes_per_block for c in self.cuts)
+
     def consumer_ranks_of(self, producer_rank: int) -> list[int]:
         """The consumer ranks a producer rank's cut plans write into."""
         return sorted({c.consumer_rank for c in self.cuts if c.producer_rank == producer_rank})
