@@ -240,3 +240,53 @@ def test_the_forced_wrong_scale_cut_moves_only_the_scale_units_to_another_head()
     changed = {k[2].split(".")[2] for k in a if a[k] != b[k]}
     assert changed == {"k_scale", "v_scale"}
     assert right.transfer_bytes_per_block == wrong.transfer_bytes_per_block  # nothing else shows it
+
+
+# -- GPU: realistic shapes, bf16 activations, both page layouts --------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page,ppb", [(16, 8), (128, 1)])
+def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
+    """70,000 bf16 tokens (past CUDA's 65535 grid cap) of 8 heads x d128 written by the
+    kernel: the reference's bytes exactly (the hardware's cast never sees an inexact
+    value); decode (1 and 4 splits), DSpark block and prefill over them equal the
+    reference within bf16's tolerance, and another head's scales are caught."""
+    gen = torch.Generator().manual_seed(page)
+    n, h_kv, h_q, d, bs = 70_000, 8, 32, 128, page * ppb
+    nb = -(-n // bs)
+    slots = torch.arange(nb * bs)[torch.randperm(nb * bs, generator=gen)][:n].cuda()
+    k = (torch.randn(n, h_kv, d, generator=gen) * 4).cuda().bfloat16()
+    v = (torch.randn(n, h_kv, d, generator=gen) ** 3).cuda().bfloat16()
+    want = [torch.zeros(nb, ppb, h_kv, page, dd, dtype=t, device="cuda")
+            for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1), (torch.uint8, 1))]
+    got = [c.clone() for c in want]
+    ref.store_kv(k, v, *want[:2], slots, *want[2:])
+    store_kv(k, v, *got[:2], slots, *got[2:])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    kc, vc, ks, vs = got
+    lens = torch.tensor([8192, 1, 4099, 777, 3000], dtype=torch.int32, device="cuda")
+    per = -(-8192 // bs)
+    bt = torch.randperm(nb, generator=gen)[: 5 * per].view(5, per).int().cuda()
+    q = torch.randn(5, h_q, d, generator=gen).cuda().bfloat16()
+    want_d = ref.decode_attention(q.double(), kc, vc, lens, bt, d**-0.5, ks, vs)
+
+    def rel(x, y):
+        return float((x.double() - y.double()).norm() / y.double().norm())
+
+    for splits in (1, 4):
+        assert rel(decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits), want_d) < 1e-2
+    wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
+                             _other_heads(vs).contiguous())
+    assert rel(wrong, want_d) > 5e-2
+    qb = torch.randn(5, 4, h_q, d, generator=gen).cuda().bfloat16()
+    xk, xv = (torch.randn(5, 4, h_kv, d, generator=gen).cuda().bfloat16() for _ in range(2))
+    want_b = ref.block_attention(qb.double(), xk.double(), xv.double(), kc, vc, lens, bt, d**-0.5, ks, vs)
+    assert rel(block_attention(qb, xk, xv, kc, vc, lens, bt, d**-0.5, ks, vs), want_b) < 1e-2
+    qlens = [512, 1, 99, 777, 8]
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qp = torch.randn(sum(qlens), h_q, d, generator=gen).cuda().bfloat16()
+    want_p = ref.prefill_attention(qp.double(), kc, vc, cu, lens, bt, d**-0.5, ks, vs)
+    got_p = prefill_attention(qp, kc, vc, cu, lens, bt, d**-0.5, max_seqlen_q=max(qlens), k_scale=ks, v_scale=vs)
+    assert rel(got_p, want_p) < 1e-2
