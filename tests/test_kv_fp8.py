@@ -290,3 +290,13 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     want_p = ref.prefill_attention(qp.double(), kc, vc, cu, lens, bt, d**-0.5, ks, vs)
     got_p = prefill_attention(qp, kc, vc, cu, lens, bt, d**-0.5, max_seqlen_q=max(qlens), k_scale=ks, v_scale=vs)
     assert rel(got_p, want_p) < 1e-2
+
+
+def test_a_gpu_pd_fp8_page_off_the_copy_word_is_refused_by_name():
+    cuda = ["prefill.device=cuda", "decode.device=cuda", "drafter=none", "model.kv_dtype=fp8_e4m3"]
+    refused = build_graph(compose([*PD[:2], *cuda, "prefill.kv_page_tokens=4", "decode.kv_page_tokens=4"]))
+    assert Code.KV_SCALE_PAGE_UNALIGNED in refused.codes()
+    assert Code.KV_SCALE_PAGE_UNALIGNED not in build_graph(compose([*PD[:2], *cuda])).codes()
+    cpu = build_graph(compose([*PD[:2], "drafter=none", "model.kv_dtype=fp8_e4m3", "prefill.kv_page_tokens=4",
+                               "decode.kv_page_tokens=4"]))
+    assert Code.KV_SCALE_PAGE_UNALIGNED not in cpu.codes()  # CPU packs any size
