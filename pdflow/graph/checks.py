@@ -9,7 +9,7 @@ from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
 from pdflow.spec.attention import backend_limits
 from pdflow.spec.checkpoint import geometry_mismatches, hf_geometry, read_hf_config
-from pdflow.spec.dtypes import kv_scale_dtype
+from pdflow.spec.dtypes import ENGINE_KV_DTYPES, kv_scale_dtype
 
 
 def resolved_taps(spec: RunSpec) -> list[int]:
@@ -112,6 +112,16 @@ def check_pages(spec: RunSpec) -> list[Refusal]:
 # GPU transfers copy 8-byte words (kernels/copy_runs.py): a scale unit's run per head
 # and page is page_tokens bytes, so its page must be a multiple of 8 tokens.
 SCALE_RUN_WORD = 8
+
+
+def check_kv_dtypes(spec: RunSpec) -> list[Refusal]:
+    """A KV dtype the engine cannot store (the plan's sizes would be right, the run not)."""
+    return [
+        Refusal(code=Code.KV_DTYPE_UNSUPPORTED,
+                message=f"{role}'s KV dtype {dt} has no cache the engine writes and reads.",
+                fix=f"use one of {', '.join(sorted(ENGINE_KV_DTYPES))} (model.kv_dtype or {role}.kv_dtype).")
+        for role, par in _sides(spec) if (dt := kv_dtype(spec.model, par)) not in ENGINE_KV_DTYPES
+    ]
 
 
 def check_scale_pages(spec: RunSpec) -> list[Refusal]:
@@ -235,6 +245,7 @@ def check_spec(spec: RunSpec) -> list[Refusal]:
         *check_partitions(spec),
         *check_head_cuts(spec),
         *check_pages(spec),
+        *check_kv_dtypes(spec),
         *check_scale_pages(spec),
         *check_drafter(spec),
         *check_grid(spec),

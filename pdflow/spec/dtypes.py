@@ -15,12 +15,14 @@ DTYPE_BYTES: dict[str, int] = {
 STORAGE_BYTES: dict[str, int] = {**DTYPE_BYTES, "e8m0": 1}
 
 # KV dtypes stored with a scale per (token, KV head), and the scale units' dtype. Why per
-# token-head and a power of two (docs/ARCHITECTURE.md, 'fp8 KV and its scale units'): the
+# token-head and a power of two (docs/ARCHITECTURE.md, 'KV units, pages and the head cut'): the
 # scale is computed from the token's own values as it is written, so no calibration and
 # no requantizing of a page when later tokens arrive; a power-of-two scale makes
 # dequantizing exact and costs one byte per head_dim bytes (d64: 65 bytes for bf16's 128),
 # and fp8 keeps its 3-bit relative precision whatever the scale, so nothing is lost.
 SCALED_KV_DTYPES: dict[str, str] = {"fp8_e4m3": "e8m0"}
+# KV dtypes the engine stores (a plan may describe others; a run refuses them).
+ENGINE_KV_DTYPES = frozenset({"fp32", "bf16", "fp16", "fp8_e4m3"})
 
 ALIASES: dict[str, str] = {
     "float32": "fp32",
