@@ -55,3 +55,24 @@ def test_fp8_pd_pp4_to_tp4_dspark_equals_one_process_and_moves_the_plans_bytes(o
 def test_a_wrong_scale_cut_changes_the_tokens(one_process):
     tokens, _, _ = _run([*PD, "transfer.force_wrong_scale_cut=true"])
     assert tokens != one_process
+
+
+def test_served_metrics_count_the_plans_bytes_per_transferred_block():
+    """``pdflow serve``'s split server (engine core process): after prompts land,
+    /metrics' transfer bytes over blocks is the plan's bytes per transferred block."""
+    import re
+
+    import httpx
+
+    from pdflow.serve.launch import serve_spec
+
+    spec = compose([*SMALL, *PD, "tracking.enabled=false"])
+    with serve_spec(spec, port=0) as served:
+        for prompt in ("Question: Mira has 12 apples.", "Once upon a time " * 8):
+            body = {"model": served.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+        text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    nbytes = float(re.search(r"^pdflow_kv_transfer_bytes_total (\S+)$", text, re.M).group(1))
+    blocks = float(re.search(r"^pdflow_kv_transfer_blocks_total (\S+)$", text, re.M).group(1))
+    assert blocks >= 2 and nbytes == blocks * build_graph(spec).transfer_bytes_per_block
