@@ -256,8 +256,9 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     n, h_kv, h_q, d, bs = 70_000, 8, 32, 128, page * ppb
     nb = -(-n // bs)
     slots = torch.arange(nb * bs)[torch.randperm(nb * bs, generator=gen)][:n].cuda()
-    k = (torch.randn(n, h_kv, d, generator=gen) * 4).cuda().bfloat16()
-    v = (torch.randn(n, h_kv, d, generator=gen) ** 3).cuda().bfloat16()
+    spread = 2.0 ** torch.arange(h_kv)[None, :, None]  # heads of different scales
+    k = (torch.randn(n, h_kv, d, generator=gen) * spread / 16).cuda().bfloat16()
+    v = (torch.randn(n, h_kv, d, generator=gen) ** 3 / spread).cuda().bfloat16()
     want = [torch.zeros(nb, ppb, h_kv, page, dd, dtype=t, device="cuda")
             for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1), (torch.uint8, 1))]
     got = [c.clone() for c in want]
