@@ -106,12 +106,12 @@ def page_ignorant(unit: UnitSpec) -> UnitSpec:
     return dataclasses.replace(unit, page_tokens=unit.block_size)
 
 
-def neighbour_heads(src: UnitSpec, heads: tuple[int, ...]) -> tuple[int, ...]:
-    """The next ``len(heads)`` heads ``src`` holds after ``heads`` (cyclically): where a
-    wrong scale cut reads. ``heads`` itself when the rank holds no others."""
-    held, n = src.heads, len(heads)
-    start = (held.index(heads[0]) + n) % len(held)
-    return held[start : start + n] if start + n <= len(held) else held[:n]
+def neighbour_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...]) -> tuple[CutRun, ...]:
+    """A deliberately wrong cut: each of ``heads`` lands with the bytes of the next head
+    ``src`` holds (cyclically); the right cut when ``src`` holds one head only."""
+    held = src.heads
+    return tuple(run for h in heads
+                 for run in plan_runs(src, dst, (h,), (held[(held.index(h) + 1) % len(held)],)))
 
 
 def build_cut_plans(
@@ -135,7 +135,7 @@ def build_cut_plans(
                 if dst.family in page_ignorant_families:
                     runs = plan_runs(page_ignorant(src), page_ignorant(dst), heads)
                 elif wrong_scale_cut and dst.field.endswith("_scale") and heads:
-                    runs = plan_runs(src, dst, heads, neighbour_heads(src, heads))
+                    runs = neighbour_runs(src, dst, heads)
                 else:
                     runs = plan_runs(src, dst, heads)
                 groups[(prank.rank, crank.rank)][runs].append((src_name, dst.name))
