@@ -89,8 +89,8 @@ def _paged_split_kernel(
         ok = pos < end
         tok = page_offsets(bt_ptr + b * s_bt, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, D, QUANT, q.dtype)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
         m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.

@@ -116,9 +116,8 @@ def _prefill_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < full_end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
-        full = (pos >= 0)[:, None] & d_ok[None, :]
-        k = load_kv(kc_ptr, ks_ptr, tok, d, full, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, full, D, QUANT, q.dtype)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -131,8 +130,8 @@ def _prefill_kernel(
         ok = pos < diag_end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, D, QUANT, q.dtype)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         s = tl.where((pos[None, :] <= qpos[:, None]) & ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
