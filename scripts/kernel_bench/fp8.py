@@ -108,6 +108,13 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
+            if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
+                for block_n, stages in ((128, 4), (128, 2), (64, 6)):
+                    alt = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs,
+                                              block_n=block_n, num_stages=stages))
+                    run.add(f"decode triton fp8 kv bn{block_n} st{stages}", f"B{b} ctx{ctx} page{page}", alt,
+                            nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                            note="vs_baseline: the default tiles")
     worst = min((v for v in run.fp8_vs_copy.values() if v is not None), default=None)
     long = [v for (ctx, _), v in run.fp8_vs_copy.items() if v is not None and ctx >= 8192]
     print(f"  fp8 KV decode vs copy of its bytes: worst {worst}, ctx >= 8192 worst "
