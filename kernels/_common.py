@@ -108,6 +108,20 @@ def page_offsets(bt_row_ptr, pos, valid, kvh, s_cb, s_cp, s_ch, s_ct,
     return blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct
 
 
+@triton.jit
+def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr,
+            DT: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] of K or V at element offsets ``tok`` (+ d), in ``DT``: dequantized
+    with the token-head's power-of-two scale (``row_ok``: the rows to read) when the cache
+    is fp8."""
+    x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
+    if QUANT:
+        e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return (x.to(tl.float32) * scale[:, None]).to(DT)
+    return x
+
+
 EXP_MODES = {"exp2": 0, "bf16x2": 1, "f16x2": 2}
 
 

@@ -16,9 +16,12 @@ __all__ = ["block_attention", "block_attention_reference"]
 
 
 def block_attention(
-    q, k_block, v_block, k_cache, v_cache, context_lens, block_tables, scale, **tuning
+    q, k_block, v_block, k_cache, v_cache, context_lens, block_tables, scale, k_scale=None,
+    v_scale=None, **tuning
 ):
-    """q [B, K, H_q, D]; k/v_block [B, K, H_kv, D]; context_lens excludes the block."""
+    """q [B, K, H_q, D]; k/v_block [B, K, H_kv, D]; context_lens excludes the block. An fp8
+    cache's scales dequantize the context; the block itself is read in q's dtype."""
     return paged_attention(
-        q, k_cache, v_cache, context_lens, block_tables, scale, k_block, v_block, **tuning
+        q, k_cache, v_cache, context_lens, block_tables, scale, k_block, v_block,
+        k_scale=k_scale, v_scale=v_scale, **tuning
     )

@@ -11,6 +11,9 @@ optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
 block, see block_attention.py): the last split attends to them in one extra tile after
 its context loop, so the context loop is exactly the decode loop (mixing the block
 tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
+An fp8 cache (``k_scale``/``v_scale`` given) is dequantized in registers as it is loaded:
+each token-head's byte exponent (at its element offset / D) times the e4m3 values, exact
+in q's dtype, so the dots and the softmax are the 16-bit path's (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, mma, page_offsets, sm_count
+from ._common import LOG2E, dot_precision, interpreting, load_kv, mma, page_offsets, sm_count
 from .reference import decode_attention as decode_attention_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
@@ -44,7 +47,7 @@ def _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
 # foresaw; it only indexes scalar loads, so it is not specialized.
 @triton.jit(do_not_specialize=["s_bt"])
 def _paged_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kx_ptr, vx_ptr, lens_ptr, bt_ptr, o_ptr, ml_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kx_ptr, vx_ptr, lens_ptr, bt_ptr, o_ptr, ml_ptr,
     scale_log2,
     s_qb, s_qm, s_qh,
     s_xb, s_xm, s_xh,
@@ -56,7 +59,7 @@ def _paged_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,8 +89,8 @@ def _paged_split_kernel(
         ok = pos < end
         tok = page_offsets(bt_ptr + b * s_bt, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
         m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.
@@ -149,17 +152,24 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
-    *, num_splits=None, max_context=None, block_n=None, num_warps=None, num_stages=None,
-    out=None,
+    *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
+    num_warps=None, num_stages=None, out=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
-    ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs."""
+    ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    quant = k_scale is not None
+    if quant:  # a scale's offset is its token-head's element offset / D
+        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
+    else:
+        k_scale = v_scale = context_lens
     group = h_q // h_kv
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
@@ -194,7 +204,8 @@ def paged_attention(
         o_strides = (t[0], t[3], t[1], t[2])
         ml_strides = (m[0], m[3], m[1], m[2])
     _paged_split_kernel[(bsz * h_kv, num_splits)](
-        q, k_cache, v_cache, k_extra, v_extra, context_lens, block_tables, target, ml,
+        q, k_cache, v_cache, k_scale, v_scale, k_extra, v_extra, context_lens, block_tables,
+        target, ml,
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         *x_strides,
@@ -205,7 +216,7 @@ def paged_attention(
         H_KV=h_kv, NQ=nq, NX=nx, G=group, G_PAD=g_pad, D=d, BLOCK_D=block_d,
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q), QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -218,10 +229,12 @@ def paged_attention(
     return out
 
 
-def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, **tuning):
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale=None,
+                     v_scale=None, **tuning):
     """q [B, H_q, D]: one new token per sequence over its first ``context_lens[b]`` tokens."""
     if tuning.get("out") is not None:
         tuning["out"] = tuning["out"][:, None]
     return paged_attention(
-        q[:, None], k_cache, v_cache, context_lens, block_tables, scale, **tuning
+        q[:, None], k_cache, v_cache, context_lens, block_tables, scale,
+        k_scale=k_scale, v_scale=v_scale, **tuning
     )[:, 0]

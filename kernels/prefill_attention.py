@@ -21,6 +21,7 @@ from ._common import (
     LOG2E,
     dot_precision,
     interpreting,
+    load_kv,
     mma,
     page_offsets,
     prefill_shapes,
@@ -78,14 +79,14 @@ def prefill_tiles(itemsize: int, head_dim: int, group_pad: int, smem_limit: int)
 # requests, and they only index tiles and scalar loads.
 @triton.jit(do_not_specialize=["n_bh", "n_m", "s_bt"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, cu_ptr, lens_ptr, bt_ptr, o_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_ptr, lens_ptr, bt_ptr, o_ptr,
     scale_log2, n_bh, n_m,
     s_qt, s_qh, s_ot, s_oh,
     s_cb, s_cp, s_ch, s_ct, s_bt,
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G_PAD
     mt, b, kvh, q_start, q_len, base, full_end, diag_end = prefill_tile(
@@ -115,8 +116,8 @@ def _prefill_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < full_end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
-        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -129,8 +130,8 @@ def _prefill_kernel(
         ok = pos < diag_end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         s = tl.where((pos[None, :] <= qpos[:, None]) & ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -150,7 +151,7 @@ def _prefill_kernel(
 def prefill_attention(
     q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
     *, max_seqlen_q=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-    out=None,
+    out=None, k_scale=None, v_scale=None,
 ):
     """q [T, H_q, D] (sequences packed by cu_seqlens_q) -> [T, H_q, D], causal over the
     paged context; pass ``max_seqlen_q`` to skip a device->host read of the lengths.
@@ -163,6 +164,12 @@ def prefill_attention(
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
+    quant = k_scale is not None  # fp8: dequantized as loaded (decode_attention.load_kv)
+    if quant:
+        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
+    else:
+        k_scale = v_scale = context_lens
     upcast = interpreting(q)
     tiles = INTERPRETER_TILES if upcast else prefill_tiles(
         q.element_size(), d, g_pad, shared_memory_limit(q.device))
@@ -170,13 +177,13 @@ def prefill_attention(
     block_n = block_n or tiles.block_n
     n_m = triton.cdiv(max_seqlen_q, block_m // g_pad)
     _prefill_kernel[(n_m * bsz * h_kv,)](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
+        q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_kv, n_m,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], block_tables.stride(0),
         H_KV=h_kv, G=group, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast, QUANT=quant,
         num_warps=num_warps or (8 if block_m >= 128 else 4),
         num_stages=num_stages or tiles.num_stages,
     )

@@ -51,9 +51,13 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                      *, max_seqlen_q=None, out=None):
-    """Same contract as ``prefill_attention.prefill_attention``."""
+                      *, max_seqlen_q=None, out=None, k_scale=None, v_scale=None):
+    """Same contract as ``prefill_attention.prefill_attention``. An fp8 cache (with its
+    scales) runs the pointer kernel, the one that dequantizes as it loads."""
     args = (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    if k_scale is not None:
+        return prefill_attention_ptr(*args, max_seqlen_q=max_seqlen_q, out=out, k_scale=k_scale,
+                                     v_scale=v_scale)
     kernel = kernel_for(q, k_cache, v_cache)
     if kernel == "gluon":
         try:

@@ -7,11 +7,16 @@ kernels are tested against, so they favour clarity over speed: they gather the p
 K/V into contiguous tensors and run plain softmax attention with fp32 accumulation
 (float64 inputs stay float64 so tests can build an exact reference). Query head ``h``
 reads KV head ``h // (H_q // H_kv)`` (GQA). Outputs come back in the input dtype.
+
+An fp8 cache comes with its scale caches (``k_scale``/``v_scale``: ``[..., page, 1]``
+uint8 exponents, kernels/kv_quant.py): stores quantize, reads dequantize to fp32.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .kv_quant import dequantize, quantize
 
 __all__ = [
     "block_attention",
@@ -36,24 +41,34 @@ def slot_coords(slots: torch.Tensor, cache: torch.Tensor):
     return block, torch.div(off, page, rounding_mode="floor"), off % page
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]``; -1 skips it."""
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]``; -1 skips it.
+    With scale caches the values are quantized per (token, head) first."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block, page, tok = slot_coords(slots, k_cache)
     # Advanced indices split by a slice put the indexed dim first: [n, H_kv, D].
-    k_cache[block, page, :, tok] = k[keep].to(k_cache.dtype)
-    v_cache[block, page, :, tok] = v[keep].to(v_cache.dtype)
+    for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if sc is None:
+            cache[block, page, :, tok] = x[keep].to(cache.dtype)
+        else:
+            data, e = quantize(x[keep])  # torch's CPU indexing takes no fp8: its bytes
+            cache.view(torch.uint8)[block, page, :, tok] = data.view(torch.uint8)
+            sc[block, page, :, tok] = e[..., None]
 
 
-def gather_kv(cache, block_table, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence as a contiguous [length, H_kv, D]."""
+def gather_kv(cache, block_table, length: int, scale=None) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as a contiguous [length, H_kv, D]
+    (dequantized to fp32 when ``scale`` is the cache's scale cache)."""
     _, ppb, _, page, _ = cache.shape
     block_size = ppb * page
     pos = torch.arange(length, device=cache.device)
     block = block_table[torch.div(pos, block_size, rounding_mode="floor")].long()
     off = pos % block_size
-    return cache[block, torch.div(off, page, rounding_mode="floor"), :, off % page]
+    idx = (block, torch.div(off, page, rounding_mode="floor"), slice(None), off % page)
+    if scale is None:
+        return cache[idx]
+    return dequantize(cache.view(torch.uint8)[idx].view(cache.dtype), scale[idx])
 
 
 def _attend(q, k, v, scale: float, mask=None) -> torch.Tensor:
@@ -69,7 +84,8 @@ def _attend(q, k, v, scale: float, mask=None) -> torch.Tensor:
     return torch.einsum("hml,lhd->mhd", p, vv).to(q.dtype)
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                      k_scale=None, v_scale=None):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len_b + i`` and
@@ -83,31 +99,40 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
         start, end = cu[b], cu[b + 1]
         if end == start:
             continue
-        k = gather_kv(k_cache, block_tables[b], ctx)
-        v = gather_kv(v_cache, block_tables[b], ctx)
+        k = gather_kv(k_cache, block_tables[b], ctx, k_scale)
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
         qpos = torch.arange(ctx - (end - start), ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
         out[start:end] = _attend(q[start:end], k, v, scale, mask)
     return out
 
 
-def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale):
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale=None,
+                     v_scale=None):
     """One query per sequence ([B, H_q, D]) over its first ``context_lens[b]`` tokens."""
     out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
-        k = gather_kv(k_cache, block_tables[b], ctx)
-        v = gather_kv(v_cache, block_tables[b], ctx)
+        k = gather_kv(k_cache, block_tables[b], ctx, k_scale)
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
         out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 
 
-def block_attention(q, k_block, v_block, k_cache, v_cache, context_lens, block_tables, scale):
+def block_attention(q, k_block, v_block, k_cache, v_cache, context_lens, block_tables, scale,
+                    k_scale=None, v_scale=None):
     """DSpark: the K block positions ([B, K, H_q, D]) attend non-causally to the paged
     context (``context_lens[b]`` tokens) plus all K block positions (k/v_block
-    [B, K, H_kv, D], not in the cache)."""
+    [B, K, H_kv, D], not in the cache). The block rounds to a 16-bit cache's dtype, as
+    the kernel reads it; next to an fp8 cache it stays in q's dtype (never stored)."""
     out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
-        k = torch.cat([gather_kv(k_cache, block_tables[b], ctx), k_block[b].to(k_cache.dtype)])
-        v = torch.cat([gather_kv(v_cache, block_tables[b], ctx), v_block[b].to(v_cache.dtype)])
+        kc = gather_kv(k_cache, block_tables[b], ctx, k_scale)
+        vc = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        if k_scale is None:
+            kb, vb = k_block[b].to(k_cache.dtype), v_block[b].to(v_cache.dtype)
+        else:
+            kb, vb = k_block[b].to(q.dtype).float(), v_block[b].to(q.dtype).float()
+        k = torch.cat([kc, kb])
+        v = torch.cat([vc, vb])
         out[b] = _attend(q[b], k, v, scale)
     return out

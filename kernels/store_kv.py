@@ -4,6 +4,11 @@ One program per token writes every KV head of both fields; the token axis is gri
 axis 0, so any batch size launches (CUDA caps y/z at 65535). ``page_tokens`` and
 ``pages_per_block`` are compile-time constants, so the page-16 and page-128 bindings
 each get their own specialised binary with the slot arithmetic folded to shifts.
+
+An fp8 cache (with its scale caches) is quantized here as kernels/kv_quant.py does: each
+(token, head)'s exponent from the bits of its amax, the values times an exact power of
+two, rounded to e4m3; the scale caches share the cache's layout with D = 1, so a
+token-head's scale sits at its first element's offset divided by D.
 """
 
 from __future__ import annotations
@@ -11,18 +16,44 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kv_quant import HEADROOM_BITS, MIN_NORMAL
 from .reference import store_kv as store_kv_reference
+
+_MIN_NORMAL = tl.constexpr(MIN_NORMAL)  # a jit function reads only constexpr globals
 
 __all__ = ["store_kv", "store_kv_reference"]
 
 
 @triton.jit
+def _round_e4m3(y):
+    """fp32 ``y`` (|y| < 256) rounded to e4m3 as kv_quant.quantize does, still fp32, so
+    the cast after it is exact: 3 mantissa bits, ties to even, by integer rounding of the
+    bits (a carry may step the exponent); below e4m3's smallest normal (2^-6) zero. The
+    interpreter's own fp8 cast loses such a carry for negative values (-127.7 became -64)
+    and truncates subnormals, so nothing here leaves rounding to the cast."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    return tl.where(tl.abs(y) < _MIN_NORMAL, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantized(x, HEADROOM: tl.constexpr):
+    """x [BLOCK_H, BLOCK_D] (fp32, padding 0) -> (values / 2^s per row rounded to e4m3,
+    biased exponent)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - HEADROOM
+    e = tl.minimum(tl.maximum(e, 1), 253)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    return _round_e4m3(x * inv[:, None]), e
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_cp, s_ch, s_ct,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, HEADROOM: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -38,18 +69,31 @@ def _store_kv_kernel(
     mask = (h < H)[:, None] & (d < D)[None, :] & keep
     dst = block * s_cb + page * s_cp + tok * s_ct + h[:, None] * s_ch + d[None, :]
     k = tl.load(k_ptr + i * s_kn + h[:, None] * s_kh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + i * s_vn + h[:, None] * s_vh + d[None, :], mask=mask)
+    if QUANT:
+        head = block * s_cb + page * s_cp + tok * s_ct + h * s_ch  # each head's first element
+        h_ok = (h < H) & (tl.max(keep.to(tl.int32), axis=1) > 0)
+        k, ke = _quantized(tl.where(mask, k.to(tl.float32), 0.0), HEADROOM)
+        v, ve = _quantized(tl.where(mask, v.to(tl.float32), 0.0), HEADROOM)
+        tl.store(ks_ptr + head // D, ke.to(tl.uint8), mask=h_ok)
+        tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=h_ok)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, num_warps: int | None = None) -> None:
-    """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips)."""
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
+             num_warps: int | None = None) -> None:
+    """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips);
+    quantized per (token, head) into an fp8 cache when its scale caches are given."""
     n, h, d = k.shape
     _, ppb, hc, page, dc = k_cache.shape
     assert (h, d) == (hc, dc) and v.shape == k.shape and v_cache.shape == k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert k.stride(-1) == 1 and v.stride(-1) == 1
+    quant = k_scale is not None
+    if quant:
+        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
     if n == 0:
         return
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
@@ -57,8 +101,9 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, num_warps: int | None = None)
         num_warps = 4 if block_h * block_d >= 1024 else 1
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
+        k_scale if quant else slot_mapping, v_scale if quant else slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:4],
         H=h, D=d, PAGE=page, PPB=ppb, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=num_warps,
+        QUANT=quant, HEADROOM=HEADROOM_BITS, num_warps=num_warps,
     )

@@ -11,6 +11,7 @@ Each row fails on its own (the table says why); the table comes last.
     python scripts/bench_engine.py --shape qwen3-0.6b,llama3-8b --fused both   # H200, ~3 min
     python scripts/bench_engine.py --shape qwen3-0.6b --overlap both            # overlap on vs off
     python scripts/bench_engine.py --shape qwen3-30b-a3b --fused on             # H200, MoE
+    python scripts/bench_engine.py --shape qwen3-30b-a3b --kv-dtype fp8_e4m3    # MoE, fp8 KV
     python scripts/bench_engine.py --shape tiny --device cpu                     # CPU
     python scripts/bench_engine.py --model PATH --batch 8 --prompt-len 256 --output-len 64
 """
@@ -84,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
                    help="overlap scheduling (ParallelSpec.overlap_scheduling; auto: on for one "
                    "CUDA rank; both: one pdflow row each, on then off)")
+    p.add_argument("--kv-dtype", default="auto",
+                   help="pdflow's KV cache dtype (auto: the weights'; fp8_e4m3: fp8 with scales)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the final table (markdown) here")
@@ -222,6 +225,7 @@ def run_pdflow(folder: Path, prompts, args, fused: str, overlap: str = "auto") -
         max_num_batched_tokens=max(8192, sum(map(len, prompts))), max_num_seqs=len(prompts),
         device=args.device, attention_backend=args.attention_backend, memory=0.9,
         device_memory_gib=gib, enable_prefix_caching=False, overlap_scheduling=OVERLAP[overlap],
+        kv_dtype=args.kv_dtype,
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()

@@ -14,6 +14,7 @@ installed or, without an install, in this checkout.
     python scripts/bench_kernels.py --check-only --out /tmp/k         # ~1 min smoke
     python scripts/bench_kernels.py --prefill-only --budget-s 150 --out DIR  # ~3 min
     python scripts/bench_kernels.py --dry-run --out /tmp/k            # CPU, tiny shapes
+    python scripts/bench_kernels.py --fp8-kv --out bench/results/h200-fp8   # fp8 KV, ~1-2 min
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-only", action="store_true",
                     help="prefill only: default check, SDPA and default timings, then the "
                          "round-4 variants (each checked, then timed vs SDPA)")
+    ap.add_argument("--fp8-kv", action="store_true",
+                    help="fp8 (e4m3) KV only: write and attention checks vs the reference, then "
+                         "fp8 decode vs the copy of its bytes and vs bf16 decode")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting new timings after this many seconds")
     return ap.parse_args(argv)
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     import torch
     import triton
     from kernel_bench import benchmarks as cases
+    from kernel_bench import fp8
     from kernel_bench.sweep import sweep
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -109,11 +114,13 @@ def main(argv=None) -> int:
     print(f"# {info}", flush=True)
     run.info = {**info, "elapsed_s": None}
     print("## correctness (float64 references)", flush=True)
-    (cases.check_prefill if args.prefill_only else cases.check_all)(run)
+    check = fp8.check_fp8 if args.fp8_kv else cases.check_prefill if args.prefill_only else cases.check_all
+    check(run)
     ok = all(c["ok"] for c in run.checks)  # the defaults; a failing variant is only a row
     if not args.check_only:
         print("## timings", flush=True)
-        steps = (cases.bench_prefill,) if args.prefill_only else (
+        steps = (cases.bench_prefill,) if args.prefill_only else (cases.bench_copy, fp8.bench_fp8) \
+            if args.fp8_kv else (
             cases.bench_copy, cases.bench_decode, cases.bench_block, cases.bench_prefill,
             cases.bench_store)
         for step in steps:
@@ -122,7 +129,7 @@ def main(argv=None) -> int:
                 continue
             step(run)
             run.checkpoint()
-        if not args.no_sweep:
+        if not args.no_sweep and not args.fp8_kv:
             print("## sweep", flush=True)
             sweep(run)
     info["elapsed_s"] = round(time.time() - run.t0, 1)

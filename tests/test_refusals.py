@@ -79,6 +79,14 @@ CASES = {
     ),
     # The default decode side is TP4 with a drafter: overlap scheduling cannot run there.
     Code.OVERLAP_UNSUPPORTED: (["decode.overlap_scheduling=true"], ["decode.overlap_scheduling=false"]),
+    Code.KV_DTYPE_UNSUPPORTED: (["model.kv_dtype=fp8_e5m2"], ["model.kv_dtype=fp8_e4m3"]),
+    # fp8 KV on GPUs: a page-4 scale run is 4 bytes, under the copy kernels' 8-byte word.
+    Code.KV_SCALE_PAGE_UNALIGNED: (
+        ["model.kv_dtype=fp8_e4m3", "prefill.device=cuda", "decode.device=cuda", "drafter=none",
+         "prefill.kv_page_tokens=4", "decode.kv_page_tokens=4"],
+        ["model.kv_dtype=fp8_e4m3", "prefill.device=cuda", "decode.device=cuda", "drafter=none",
+         "prefill.kv_page_tokens=8", "decode.kv_page_tokens=8"],
+    ),
 }
 
 

@@ -20,14 +20,17 @@ from pdflow.spec.attention import BackendLimits, declare_backend_limits
 class AttentionBackend(Protocol):
     name: str
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None: ...
+    # ``k_scale``/``v_scale``: an fp8 cache's scale caches (kernels/kv_quant.py); the
+    # store quantizes into it, the attention ops dequantize; None for 16/32-bit caches.
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None: ...
 
     def prefill_attention(
         self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
-        max_seqlen_q: int | None = None,
+        max_seqlen_q: int | None = None, k_scale=None, v_scale=None,
     ) -> Any: ...
 
-    def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale) -> Any: ...
+    def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale,
+                         k_scale=None, v_scale=None) -> Any: ...
 
 
 # name -> module that calls register_backend(name, ...) when imported.

@@ -6,7 +6,10 @@ import torch
 
 from pdflow.graph.units import UnitSpec
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8_e4m3": torch.float8_e4m3fn,
+                # Scale units: a biased power-of-two exponent per byte (kernels/kv_quant.py).
+                "e8m0": torch.uint8}
 
 
 class KVCacheBinding:
@@ -31,4 +34,6 @@ class KVCacheBinding:
         for attn in attention_layers:
             attn.k_cache = self.caches[(attn.layer, "k")]
             attn.v_cache = self.caches[(attn.layer, "v")]
+            attn.k_scale = self.caches.get((attn.layer, "k_scale"))
+            attn.v_scale = self.caches.get((attn.layer, "v_scale"))
             attn.backend = backend

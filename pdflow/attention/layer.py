@@ -20,7 +20,14 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # An fp8 cache's scale caches (kernels/kv_quant.py); None for a 16/32-bit cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.backend = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     def forward(self, q, k, v, meta: AttentionMetadata, *, kv_stored: bool = False) -> torch.Tensor:
         """q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]. ``kv_stored``: the caller
@@ -28,13 +35,15 @@ class PagedAttention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer} has no KV cache bound (KVCacheBinding.bind)")
         b = self.backend
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.quantized else {}
         if not kv_stored:
-            b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         if meta.decode_only:
             return b.decode_attention(
-                q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, self.scale
+                q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, self.scale,
+                **scales,
             )
         return b.prefill_attention(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
-            meta.block_tables, self.scale, max_seqlen_q=meta.max_seqlen_q,
+            meta.block_tables, self.scale, max_seqlen_q=meta.max_seqlen_q, **scales,
         )

@@ -24,6 +24,8 @@ class Executor(Protocol):
     overlap: bool
     # Seconds spent compiling before the first step (the CPU op's build, rank warm-ups).
     compile_s: float
+    # P/D producer: KV bytes its ranks moved, summed over their ``KVSent.nbytes``.
+    kv_bytes_sent: int
 
     def submit(self, step: StepInput) -> None: ...
 

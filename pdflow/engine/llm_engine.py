@@ -61,6 +61,14 @@ class LLMEngine:
         self._unsettled = 0
         # P/D producer: blocks handed to the KV sender, over every export (reported).
         self.exported_blocks = 0
+        # P/D producer: prompt blocks whose KV landed (with the executor's bytes: /metrics).
+        self.kv_blocks_sent = 0
+
+    @property
+    def kv_bytes_sent(self) -> int:
+        """P/D producer: KV bytes its ranks moved for prompts that landed (0 once shut down)."""
+        executor = self.instance.executor
+        return 0 if executor is None else executor.kv_bytes_sent
 
     @property
     def executor(self) -> Executor:
@@ -254,6 +262,8 @@ class LLMEngine:
             if seq is None:
                 continue
             seq.kv_settled, seq.kv_error = True, error
+            if error is None and seq.kv_target is not None:
+                self.kv_blocks_sent += len(seq.kv_target.blocks)
             if seq.status is SequenceStatus.SENDING_KV:
                 outputs += self._sent(seq)
         return outputs

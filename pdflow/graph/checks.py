@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pdflow.graph.heads import default_taps, heads_divisible, rank_heads
 from pdflow.graph.overlap import check_overlap
-from pdflow.graph.placement import CONSUMER, PRODUCER, layer_partition, parallel_of
+from pdflow.graph.placement import CONSUMER, PRODUCER, kv_dtype, layer_partition, parallel_of
 from pdflow.graph.refusals import Code, Refusal
 from pdflow.spec import ParallelSpec, RunSpec
 from pdflow.spec.attention import backend_limits
 from pdflow.spec.checkpoint import geometry_mismatches, hf_geometry, read_hf_config
+from pdflow.spec.dtypes import ENGINE_KV_DTYPES, kv_scale_dtype
 
 
 def resolved_taps(spec: RunSpec) -> list[int]:
@@ -106,6 +107,41 @@ def check_pages(spec: RunSpec) -> list[Refusal]:
             found = _page_refusals("drafter.page_tokens", "drafter", page, role, par.block_size)
             out += [r for r in found if r not in out]
     return out
+
+
+# GPU transfers copy 8-byte words (kernels/copy_runs.py): a scale unit's run per head
+# and page is page_tokens bytes, so its page must be a multiple of 8 tokens.
+SCALE_RUN_WORD = 8
+
+
+def check_kv_dtypes(spec: RunSpec) -> list[Refusal]:
+    """A KV dtype the engine cannot store (the plan's sizes would be right, the run not)."""
+    return [
+        Refusal(code=Code.KV_DTYPE_UNSUPPORTED,
+                message=f"{role}'s KV dtype {dt} has no cache the engine writes and reads.",
+                fix=f"use one of {', '.join(sorted(ENGINE_KV_DTYPES))} (model.kv_dtype or {role}.kv_dtype).")
+        for role, par in _sides(spec) if (dt := kv_dtype(spec.model, par)) not in ENGINE_KV_DTYPES
+    ]
+
+
+def check_scale_pages(spec: RunSpec) -> list[Refusal]:
+    """A P/D run with GPU caches and a scaled KV dtype (fp8) whose page leaves the scale
+    units' runs off the copy kernels' 8-byte words."""
+    if spec.mode != "pd" or not any(par.device.startswith("cuda") for _, par in _sides(spec)):
+        return []
+    pages = {}
+    for role, par in _sides(spec):
+        if kv_scale_dtype(kv_dtype(spec.model, par)) is not None:
+            pages[f"{role}.kv_page_tokens"] = par.kv_page_tokens
+            if spec.drafter.enabled:
+                pages["drafter.page_tokens"] = spec.drafter.page_tokens
+    return [
+        Refusal(code=Code.KV_SCALE_PAGE_UNALIGNED,
+                message=f"{owner}={page} with an fp8 KV: each head's scales are {page} bytes per page, "
+                        f"and GPU transfers copy {SCALE_RUN_WORD}-byte words.",
+                fix=f"use a page that is a multiple of {SCALE_RUN_WORD} tokens (e.g. 16).")
+        for owner, page in pages.items() if page is not None and page % SCALE_RUN_WORD
+    ]
 
 
 def check_drafter(spec: RunSpec) -> list[Refusal]:
@@ -209,6 +245,8 @@ def check_spec(spec: RunSpec) -> list[Refusal]:
         *check_partitions(spec),
         *check_head_cuts(spec),
         *check_pages(spec),
+        *check_kv_dtypes(spec),
+        *check_scale_pages(spec),
         *check_drafter(spec),
         *check_grid(spec),
         *check_overlap(spec),

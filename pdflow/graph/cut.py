@@ -60,14 +60,16 @@ class CutPlan:
         return dataclasses.replace(self, groups=tuple(groups))
 
 
-def plan_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...]) -> tuple[CutRun, ...]:
+def plan_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...],
+              src_heads: tuple[int, ...] | None = None) -> tuple[CutRun, ...]:
     """Runs moving ``heads`` (contiguous, held by both) of one block from ``src`` to ``dst``.
 
     For every page p the slice sits at ``((p*H_src) + a) * span`` in the producer and lands
     at ``((p*H_dst) + a') * span`` in the consumer; runs contiguous on both sides merge.
-    A headless unit (no heads) moves as one run of its whole block.
+    A headless unit (no heads) moves as one run of its whole block. ``src_heads`` (a
+    deliberate fault only): read these producer heads instead.
     """
-    src_runs = src.head_major_runs(heads)
+    src_runs = src.head_major_runs(heads if src_heads is None else src_heads)
     dst_runs = dst.head_major_runs(heads)
     merged: list[CutRun] = []
     for s, d in zip(src_runs, dst_runs, strict=True):
@@ -104,12 +106,21 @@ def page_ignorant(unit: UnitSpec) -> UnitSpec:
     return dataclasses.replace(unit, page_tokens=unit.block_size)
 
 
+def neighbour_runs(src: UnitSpec, dst: UnitSpec, heads: tuple[int, ...]) -> tuple[CutRun, ...]:
+    """A deliberately wrong cut: each of ``heads`` lands with the bytes of the next head
+    ``src`` holds (cyclically); the right cut when ``src`` holds one head only."""
+    held = src.heads
+    return tuple(run for h in heads
+                 for run in plan_runs(src, dst, (h,), (held[(held.index(h) + 1) % len(held)],)))
+
+
 def build_cut_plans(
     producer: InstancePlan, consumer: InstancePlan, regions: list[Region],
-    page_ignorant_families: frozenset[str] = frozenset(),
+    page_ignorant_families: frozenset[str] = frozenset(), wrong_scale_cut: bool = False,
 ) -> list[CutPlan]:
-    """``page_ignorant_families``: unit families cut as if their page were the block (a
-    deliberate fault, to show tests and runs catch it); empty in every real deployment."""
+    """``page_ignorant_families``: unit families cut as if their page were the block;
+    ``wrong_scale_cut``: scale units cut from a neighbouring head (deliberate faults, to
+    show tests and runs catch them); both off in every real deployment."""
     holders = unit_catalog(producer)
     src_of = {r.consumer_unit: r.producer_unit for r in regions}
     groups: dict[tuple[int, int], dict[tuple[CutRun, ...], list[tuple[str, str]]]] = defaultdict(
@@ -123,6 +134,8 @@ def build_cut_plans(
             for prank, src, heads in _sources(holders[src_name], dst):
                 if dst.family in page_ignorant_families:
                     runs = plan_runs(page_ignorant(src), page_ignorant(dst), heads)
+                elif wrong_scale_cut and dst.field.endswith("_scale") and heads:
+                    runs = neighbour_runs(src, dst, heads)
                 else:
                     runs = plan_runs(src, dst, heads)
                 groups[(prank.rank, crank.rank)][runs].append((src_name, dst.name))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pdflow.graph.heads import even_partition, lighter_last_partition, rank_heads
 from pdflow.graph.units import DRAFT, INDEXER, TARGET, UnitSpec
 from pdflow.spec import DrafterSpec, ModelSpec, ParallelSpec, RunSpec
-from pdflow.spec.dtypes import canonical_dtype
+from pdflow.spec.dtypes import canonical_dtype, kv_scale_dtype
 
 PRODUCER, CONSUMER = "prefill", "decode"
 
@@ -138,14 +138,27 @@ def _rank_units(
     def unit(family: str, fld: str, layer: int) -> UnitSpec:
         return UnitSpec(family=family, field=fld, layer=layer, block_size=par.block_size, **geo[family])
 
+    def scale(family: str, fld: str, layer: int) -> UnitSpec:
+        """A quantized field's scales: one per (token, head), cut and shipped like its KV."""
+        g = geo[family]
+        return UnitSpec(family=family, field=f"{fld}_scale", layer=layer, block_size=par.block_size,
+                        heads=g["heads"], head_dim=1, dtype=kv_scale_dtype(g["dtype"]),
+                        page_tokens=g["page_tokens"])
+
+    def kv(family: str, layer: int) -> list[UnitSpec]:
+        out = [unit(family, fld, layer) for fld in ("k", "v")]
+        if kv_scale_dtype(geo[family]["dtype"]) is not None:
+            out += [scale(family, fld, layer) for fld in ("k", "v")]
+        return out
+
     units: list[UnitSpec] = []
     indexed = set(model.indexer_layers or ())
     for layer in layers:
-        units += [unit(TARGET, fld, layer) for fld in ("k", "v")]
+        units += kv(TARGET, layer)
         if layer in indexed:
             units.append(unit(INDEXER, "key", layer))
     for row in range(drafter.layers if draft_heads else 0):
-        units += [unit(DRAFT, fld, row) for fld in ("k", "v")]
+        units += kv(DRAFT, row)
     return tuple(units)
 
 

@@ -141,7 +141,10 @@ def _cuts_table(graph: RunGraph) -> Table:
             ))
     columns = [("producer", LABEL), ("consumer", LABEL), ("unit group", TEXT), ("units", VALUE),
                ("runs", VALUE), ("descs", VALUE), ("bytes", VALUE)]
-    return _table("Head cut per block (producer rank -> consumer rank)", columns, rows)
+    return _table("Head cut per block (producer rank -> consumer rank)", columns, rows,
+                  caption=f"bytes per transferred block: {graph.transfer_bytes_per_block:,} "
+                          "(every cut above; the producer's pdflow_kv_transfer_bytes_total / "
+                          "_blocks_total counts the same)")
 
 
 def _usable_caption(graph: RunGraph) -> str:

@@ -84,15 +84,15 @@ class RunGraph:
             None,
         )
 
+    @property
+    def transfer_bytes_per_block(self) -> int:
+        """Bytes one prompt block moves from producer to consumer: every cut plan's runs
+        (KV, scale units and drafter units together); 0 without a producer."""
+        return sum(c.bytes_per_block for c in self.cuts)
+
     def consumer_ranks_of(self, producer_rank: int) -> list[int]:
         """The consumer ranks a producer rank's cut plans write into."""
         return sorted({c.consumer_rank for c in self.cuts if c.producer_rank == producer_rank})
-
-    @property
-    def transfer_bytes_per_block(self) -> int:
-        """Bytes one prompt block moves from the producer to the consumer, over every cut
-        plan (what P/D transfer counters multiply blocks by)."""
-        return sum(c.bytes_per_block for c in self.cuts)
 
     def to_dict(self) -> dict:
         """Plain data for ``pdflow plan --json`` and for logging."""
@@ -147,7 +147,8 @@ def build_graph(spec: RunSpec, devices: DeviceFacts | None = None) -> RunGraph:
         regions, region_refusals = build_regions(producer, consumer, spec.transfer.consumer_map)
         refusals += region_refusals
         wrong = frozenset(spec.transfer.force_page_ignorant_cut)
-        cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong)
+        cuts = [] if region_refusals else build_cut_plans(producer, consumer, regions, wrong,
+                                                          spec.transfer.force_wrong_scale_cut)
     shared = sharers(list(plans.values()), spec)
     budgets, usable = {}, {}
     for role, plan in plans.items():

@@ -62,7 +62,8 @@ class Attention(nn.Module):
         if fused:  # one kernel: qk-norm, RoPE in place, and the KV write when bound
             if into is not None:
                 qkv = into.copy_(qkv)
-            bound = self.attn.k_cache is not None
+            # (an fp8 cache is written by the backend's quantizing store instead)
+            bound = self.attn.k_cache is not None and not self.attn.quantized
             kv = (self.attn.k_cache, self.attn.v_cache, slot_mapping) if bound else None
             q, k, v = self.rope.rotate_qkv_(
                 positions, qkv, hq, hkv, q_norm=self.q_norm, k_norm=self.k_norm, kv_cache=kv

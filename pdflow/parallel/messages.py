@@ -141,6 +141,8 @@ class KVSent(msgspec.Struct, tag=True, kw_only=True):
     rank: int
     request_ids: list[str]
     failed: dict[str, str] = {}
+    # Bytes this rank moved for the requests that landed (the cut runs it wrote).
+    nbytes: int = 0
 
 
 class UnitAddress(msgspec.Struct, kw_only=True):

@@ -154,9 +154,11 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     facts = Facts(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size, block_size=backend.block_size,
                   num_kv_blocks=backend.num_kv_blocks, tokenizer_folder=None if folder is None else str(folder))
     metrics = ServeMetrics(backend, num_active=lambda: len(core.active))  # read at a scrape, once core is set
-    if deployment.producer is not None:  # P/D in this process: both sides' prefix-reuse counters
-        metrics.registry.register(ReuseCollector(producer=deployment.producer, consumer=deployment.consumer,
+    producer = deployment.producer
+    if producer is not None:  # P/D in this process: prefix-reuse counters of both sides, KV moved
+        metrics.registry.register(ReuseCollector(producer=producer, consumer=deployment.consumer,
                                                  counts=deployment.reuse))
+        metrics.count_kv_transfer(lambda: (producer.kv_bytes_sent, producer.kv_blocks_sent))
     core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=policy_of(spec.serve))
     server = CoreServer(core, metrics, facts, sock)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())

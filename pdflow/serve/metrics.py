@@ -7,6 +7,7 @@ outcomes where the HTTP handler decides them (including refused requests).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -81,8 +82,27 @@ class ServeMetrics:
         ranks paired with each peer instance (read from ``counts`` at every scrape)."""
         self.registry.register(PairingCounts(counts))
 
+    def count_kv_transfer(self, totals: Callable[[], tuple[int, int]]) -> None:
+        """A P/D producer: ``pdflow_kv_transfer_bytes_total`` and ``..._blocks_total``, the
+        KV bytes its ranks moved and the prompt blocks that landed (``totals()`` read at
+        every scrape); their ratio is the bytes per transferred block the plan shows."""
+        self.registry.register(KVTransferTotals(totals))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class KVTransferTotals:
+    """A collector of a producer's transferred KV: bytes and blocks."""
+
+    def __init__(self, totals: Callable[[], tuple[int, int]]):
+        self.totals = totals
+
+    def collect(self):
+        nbytes, blocks = self.totals()
+        yield CounterMetricFamily("pdflow_kv_transfer_bytes", "KV bytes the producer's ranks moved.",
+                                  value=nbytes)
+        yield CounterMetricFamily("pdflow_kv_transfer_blocks", "Prompt KV blocks that landed.", value=blocks)
 
 
 class PairingCounts:

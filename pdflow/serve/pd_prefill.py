@@ -162,6 +162,7 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     guard = [Depends(bearer_guard(api_key))]
     host.metrics.count_pairings(backend.pairings)
     host.metrics.registry.register(ReuseCollector(producer=backend.engine))
+    host.metrics.count_kv_transfer(lambda: (backend.engine.kv_bytes_sent, backend.engine.kv_blocks_sent))
 
     @app.get(INSTANCE_PATH, dependencies=guard)
     async def instance():

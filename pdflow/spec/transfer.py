@@ -57,6 +57,10 @@ class TransferSpec:
     # deliberate fault that hands every consumer rank another head's bytes with no error,
     # for showing that accuracy and acceptance expose it. Never set in a real deployment.
     force_page_ignorant_cut: list[str] = field(default_factory=list)
+    # Scale units (an fp8 KV cache's) cut from another head of the producer rank than
+    # their KV: a deliberate fault (each head's values arrive with a neighbour's scales),
+    # for showing that tests catch a wrong scale cut. Never set in a real deployment.
+    force_wrong_scale_cut: bool = False
     # Extra attempts of a failed descriptor batch (a rejected write drops one of the
     # peer's TCP lanes, so the next one may fail once), waiting backoff, 2x, 4x, ...
     retries: int = 3

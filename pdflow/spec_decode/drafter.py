@@ -171,6 +171,12 @@ class Drafter(nn.Module):
             raise RuntimeError(f"{self.kind} drafter: bind_cache(caches, backend) first")
         return self.caches[(row, "k")], self.caches[(row, "v")]
 
+    def _scales(self, row: int) -> dict[str, torch.Tensor]:
+        """An fp8 pool's scale caches as the backend's keywords ({} for a 16/32-bit pool)."""
+        if (row, "k_scale") not in self.caches:
+            return {}
+        return {"k_scale": self.caches[(row, "k_scale")], "v_scale": self.caches[(row, "v_scale")]}
+
     # -- the interface -----------------------------------------------------------------
 
     def check_runtime(self, *, pp: int) -> None:
@@ -270,14 +276,16 @@ def _check_units(config: DrafterConfig, units: Sequence[UnitSpec], tp_rank: int,
     heads this rank's projections hold (``rank_heads``, as the target's)."""
     drafts = {(u.layer, u.field): u for u in units if u.family == DRAFT}
     want = {(row, f) for row in range(config.num_layers) for f in ("k", "v")}
-    if set(drafts) != want:
+    scaled = {(row, f) for row in range(config.num_layers) for f in ("k_scale", "v_scale")}
+    if set(drafts) - scaled != want or (scaled & set(drafts)) not in (set(), scaled):
         raise DraftPlacementMismatch(
             f"rank {tp_rank}: draft units {sorted(drafts)} are not k/v of rows 0..{config.num_layers - 1}; "
             "build the drafter from graph.rank(role, rank).units on the rank that holds it"
         )
     heads = rank_heads(config.num_kv_heads, tp_size, tp_rank)
     for unit in drafts.values():
-        if unit.heads != heads or unit.head_dim != config.head_dim:
+        head_dim = 1 if unit.field.endswith("_scale") else config.head_dim
+        if unit.heads != heads or unit.head_dim != head_dim:
             raise DraftPlacementMismatch(
                 f"{unit.name} holds heads {unit.heads} x d{unit.head_dim} but tp rank {tp_rank}/{tp_size} "
                 f"of this drafter projects heads {heads} x d{config.head_dim}"

@@ -64,7 +64,7 @@ class DSparkDrafter(Drafter):
         for row, layer in enumerate(self.layers):
             k, v = layer.kv(c, positions, self.rotary)
             k_cache, v_cache = self._cache(row)
-            self.backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
+            self.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, **self._scales(row))
 
     def _propose(self, batch: ProposeBatch) -> Proposal:
         anchor = torch.tensor(batch.anchor_positions, dtype=torch.int64, device=batch.anchor_ids.device)
@@ -91,7 +91,7 @@ class DSparkDrafter(Drafter):
                 kb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # the kernel wants one
                 vb.contiguous().view(b, k, a.num_kv_heads, a.head_dim),  # stride for both
                 k_cache, v_cache, context_lens,
-                block_tables, a.scale,
+                block_tables, a.scale, **self._scales(row),
             )
             x = layer.finish(x, attn.reshape(b * k, a.num_heads, a.head_dim))
         logits = self.logits(self.norm(x)).view(b, k, -1)

@@ -77,7 +77,7 @@ class ChainDrafter(Drafter):
         layer = self.layers[0]
         k, v = layer.kv(layer.input_layernorm(x), batch.positions, self.rotary)
         k_cache, v_cache = self._cache(0)
-        self.backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, **self._scales(0))
 
     def _propose(self, batch: ProposeBatch) -> Proposal:
         if batch.anchor_features is None:
@@ -86,6 +86,7 @@ class ChainDrafter(Drafter):
         device = batch.anchor_ids.device
         layer, attn_mod = self.layers[0], self.layers[0].self_attn
         k_cache, v_cache = self._cache(0)
+        scales = self._scales(0)
         bs = self.block_size
         position = torch.tensor(batch.anchor_positions, dtype=torch.int64, device=device) - 1
         feature = self.target_feature(batch.anchor_features)
@@ -95,9 +96,10 @@ class ChainDrafter(Drafter):
             x = self.entry_inputs(token, feature)
             q, k, v = layer.qkv(x, position, self.rotary)
             blocks = batch.block_tables.gather(1, (position // bs)[:, None])[:, 0].long()
-            self.backend.store_kv(k, v, k_cache, v_cache, blocks * bs + position % bs)
+            self.backend.store_kv(k, v, k_cache, v_cache, blocks * bs + position % bs, **scales)
             attn = self.backend.decode_attention(
-                q, k_cache, v_cache, (position + 1).to(torch.int32), batch.block_tables, attn_mod.scale
+                q, k_cache, v_cache, (position + 1).to(torch.int32), batch.block_tables, attn_mod.scale,
+                **scales,
             )
             feature = layer.finish(x, attn)
             step_logits = self.logits(self.norm(feature))

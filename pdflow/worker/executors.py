@@ -58,6 +58,7 @@ class InProcessExecutor:
         self._build()
         self.overlap = overlap_scheduling(graph.spec, role)
         self.depth = 2 if self.overlap else 1
+        self.kv_bytes_sent = 0  # P/D producer: KV bytes the rank moved (KVSent.nbytes)
         self._done: deque[StepOutput | LaunchedStep] = deque()
         # Overlap: the last launched step's number and its sampled tokens, on the device.
         self._samples: tuple[int, torch.Tensor] | None = None
@@ -115,7 +116,9 @@ class InProcessExecutor:
         else why not; waits up to ``wait_s`` for one when none has."""
         if self.stage is None:
             return {}
-        return {rid: sent.failed.get(rid) for sent in self.stage.settled(wait_s) for rid in sent.request_ids}
+        sents = self.stage.settled(wait_s)
+        self.kv_bytes_sent += sum(sent.nbytes for sent in sents)
+        return {rid: sent.failed.get(rid) for sent in sents for rid in sent.request_ids}
 
     def check(self) -> None:
         """The rank is this process: alive while this runs."""
@@ -173,6 +176,7 @@ class MultiProcessExecutor:
         self._failed: dict[str, str] = {}
         self._settled: dict[str, str | None] = {}
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
+        self.kv_bytes_sent = 0  # P/D producer: KV bytes every rank moved (KVSent.nbytes)
 
     @property
     def pids(self) -> list[int]:
@@ -218,6 +222,7 @@ class MultiProcessExecutor:
         """One message from ``rank``; a KVSent is tallied as it comes (and returned too)."""
         msg = self.launcher.recv(rank, timeout_s)
         if isinstance(msg, KVSent):
+            self.kv_bytes_sent += msg.nbytes
             for rid in msg.request_ids:
                 owed = self._owed.get(rid)
                 if owed is None:

@@ -191,22 +191,27 @@ class KVLink:
         wait for the forward that wrote the KV before one starts."""
         return not self.p2p
 
-    def send(self, consumer_rank: int, job: KVExport) -> None:
+    def send(self, consumer_rank: int, job: KVExport) -> int:
         """Write one request's blocks into one rank of the consumer the job names; raises
         if they did not land (or that consumer never paired with this rank). Runs on the
         sender's thread, in its stream, ordered after the forward that wrote them; each
-        pair has its own lock, so the consumer ranks are written at once."""
+        pair has its own lock, so the consumer ranks are written at once. Returns the
+        bytes moved: the cut plan's runs for these blocks."""
         peers = self.consumers.get(job.consumer)
         if peers is None:
             raise TransferError(f"producer rank {self.rank} has not paired with consumer {job.consumer!r}")
+        moved = 0
         direct = peers.direct.get(consumer_rank)
         if direct is not None:
             session, regions, cut = direct
-            self.transport.write(session, block_descriptors(cut, self.regions, regions,
-                                                            job.src_blocks, job.dst_blocks))
+            descriptors = block_descriptors(cut, self.regions, regions, job.src_blocks, job.dst_blocks)
+            self.transport.write(session, descriptors)
+            moved += descriptors.nbytes
         peer = peers.p2p.get(consumer_rank)
         if peer is not None:
             peer.send(job.src_blocks, job.dst_blocks, job.request_id, job.nonce)
+            moved += peer.plan.bytes_per_block * len(job.src_blocks)  # what its packs carry
+        return moved
 
     def close(self) -> None:
         for peers in self.consumers.values():

@@ -100,6 +100,7 @@ class KVSender:
 
     def _send(self, job: _Job) -> KVSent:
         failed: dict[str, str] = {}
+        nbytes = 0
         try:
             if job.ready is not None and self.link is not None and self.link.writes_outside_streams:
                 job.ready.synchronize()
@@ -116,16 +117,17 @@ class KVSender:
                 errors = [e for e in (lane.exception() for lane in lanes) if e is not None]
                 if errors:
                     raise errors[0]
+                nbytes += sum(lane.result() for lane in lanes)
             except Exception as err:  # a failed write fails the request, never the rank
                 failed[export.request_id] = f"{type(err).__name__}: {err}"
-        return KVSent(rank=self.rank, request_ids=[e.request_id for e in job.exports], failed=failed)
+        return KVSent(rank=self.rank, request_ids=[e.request_id for e in job.exports], failed=failed,
+                      nbytes=nbytes)
 
     @torch.inference_mode()
-    def _lane(self, consumer_rank: int, export: KVExport, ready: torch.cuda.Event | None) -> None:
+    def _lane(self, consumer_rank: int, export: KVExport, ready: torch.cuda.Event | None) -> int:
         stream = self._streams.get(consumer_rank)
         if stream is None:
-            self.link.send(consumer_rank, export)
-            return
+            return self.link.send(consumer_rank, export)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):  # a thread starts on GPU 0
             stream.wait_event(ready)  # the forward that wrote this KV, before any read of it
-            self.link.send(consumer_rank, export)
+            return self.link.send(consumer_rank, export)

@@ -213,7 +213,7 @@ class Stage:
             self.piecewise.release()
         device = self.runner.device
         for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = None
+            attn.k_cache = attn.v_cache = attn.k_scale = attn.v_scale = None
         self.kv.caches.clear()
         if self.draft_kv is not None:
             self.draft_kv.caches.clear()

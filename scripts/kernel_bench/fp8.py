@@ -1,0 +1,121 @@
+"""fp8 (e4m3) KV with per-(token, head) scales, for scripts/bench_kernels.py --fp8-kv.
+
+Checks: the KV write stores the torch reference's bytes exactly (kernels/kv_quant.py:
+the rounding is done on fp32 bits, the same on every device), and decode and DSpark block
+attention over the fp8 cache equal the reference (which dequantizes exactly, so the same
+tolerance as bf16). Timings: paged decode over the fp8 cache against the same run's
+device copy, counting the bytes it must read (e4m3 K and V, one scale byte per token-head
+each, plus q and out), and the bf16 decode of the same shape for the ratio the smaller
+cache buys.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from pdflow.kernels import reference as ref
+from pdflow.kernels.block_attention import block_attention
+from pdflow.kernels.decode_attention import decode_attention
+from pdflow.kernels.kv_quant import FP8
+from pdflow.kernels.store_kv import store_kv
+
+from . import paged_inputs as T
+from .shapes import DT, PAGES, TOL, decode_bytes, heads
+
+
+def fp8_paged(batch, ctx, h_kv, d, page, ppb, device, seed=0):
+    """Random fp8 caches (written by the reference's quantizer) on shuffled blocks:
+    (k, v, k_scale, v_scale, context_lens, block_tables)."""
+    bs = page * ppb
+    per_seq = -(-ctx // bs)
+    nb = batch * per_seq
+    gen = torch.Generator(device=device).manual_seed(seed)
+    caches = [torch.empty(nb, ppb, h_kv, page, d, dtype=FP8, device=device) for _ in range(2)]
+    scales = [torch.empty(nb, ppb, h_kv, page, 1, dtype=torch.uint8, device=device) for _ in range(2)]
+    slots = torch.arange(nb * bs, device=device)
+    for lo in range(0, nb * bs, 1 << 20):  # in slices: the reference's temporaries stay small
+        s = slots[lo : lo + (1 << 20)]
+        k = torch.randn(len(s), h_kv, d, device=device, generator=gen)
+        v = torch.randn(len(s), h_kv, d, device=device, generator=gen)
+        ref.store_kv(k, v, *caches, s, *scales)
+    tables = torch.randperm(nb, device=device, generator=gen).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return (*caches, *scales, lens, tables)
+
+
+def fp8_decode_bytes(b, ctx, hq, hkv, d):
+    """e4m3 K and V, a scale byte per token-head each, q and out (bf16)."""
+    return 2 * b * ctx * hkv * (d + 1) + 2 * b * hq * d * 2
+
+
+def _record(run, name, ok, err, tol):
+    run.checks.append({"name": name, "err": err, "tol": tol, "ok": bool(ok)})
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
+
+
+def check_fp8(run) -> None:
+    hq, hkv, d = heads(run)
+    dev = run.dev
+    n = 200 if run.tiny else 70_000
+    for page, ppb in PAGES:
+        nb = -(-n // (page * ppb)) + 2
+        gen = torch.Generator().manual_seed(page)
+        slots = torch.randperm(nb * page * ppb, generator=gen)[:n].to(dev)
+        k = (torch.randn(n, hkv, d, generator=gen) * 4).to(dev, DT)
+        v = (torch.randn(n, hkv, d, generator=gen) ** 3).to(dev, DT)
+        want = [torch.zeros(nb, ppb, hkv, page, dd, dtype=t, device=dev)
+                for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1), (torch.uint8, 1))]
+        got = [c.clone() for c in want]
+        ref.store_kv(k, v, *want[:2], slots, *want[2:])
+        store_kv(k, v, *got[:2], slots, *got[2:])
+        diff = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, want, strict=True))
+        _record(run, f"fp8 store_kv page{page} N{n} (bytes differing: {diff})", diff == 0, float(diff), 0)
+    lens = [40, 1, 33, 17] if run.tiny else [8192, 1, 4099, 777, 3000]
+    for page, ppb in PAGES:
+        for splits in (None, 4):
+            kc, vc, ks, vs, cl, bt = fp8_paged(len(lens), max(lens), hkv, d, page, ppb, dev)
+            cl = torch.tensor(lens, dtype=torch.int32, device=dev)
+            q = T.randn(len(lens), hq, d, dtype=DT, device=dev)
+            want = ref.decode_attention(q.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
+            got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
+            err = T.rel_err(got, want)
+            _record(run, f"fp8 decode page{page} splits{splits}", err < TOL[DT], err, TOL[DT])
+        kb = 4
+        qb = T.randn(len(lens), kb, hq, d, dtype=DT, device=dev)
+        xk, xv = (T.randn(len(lens), kb, hkv, d, dtype=DT, device=dev) for _ in range(2))
+        want = ref.block_attention(qb.double(), xk.double(), xv.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
+        got = block_attention(qb, xk, xv, kc, vc, cl, bt, d**-0.5, ks, vs)
+        err = T.rel_err(got, want)
+        _record(run, f"fp8 block page{page}", err < TOL[DT], err, TOL[DT])
+
+
+def bench_fp8(run) -> None:
+    """fp8 decode vs copy of its bytes (the acceptance: >= 0.9x), beside bf16 decode."""
+    hq, hkv, d = heads(run)
+    b = 2 if run.tiny else 64
+    run.fp8_vs_copy = {}
+    for ctx in ([40] if run.tiny else [2048, 8192, 32768]):
+        for page, ppb in PAGES:
+            kc, vc, ks, vs, cl, bt = fp8_paged(b, ctx, hkv, d, page, ppb, run.dev)
+            q = T.randn(b, hq, d, dtype=DT, device=run.dev)
+            ms = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs))
+            k16, v16, cl16, bt16 = T.random_paged(b, ctx, hkv, d, page, ppb, DT, run.dev)
+            ms16 = run.time_ms(partial(decode_attention, q, k16, v16, cl16, bt16, d**-0.5))
+            run.add("decode triton bf16 kv", f"B{b} ctx{ctx} page{page}", ms16,
+                    nbytes=decode_bytes(b, ctx, hq, hkv, d))
+            row = run.add("decode triton fp8 kv", f"B{b} ctx{ctx} page{page}", ms,
+                          nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
+                          note="vs_baseline: bf16-KV decode of the same shape")
+            run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
+            if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
+                for block_n, stages in ((128, 4), (128, 2), (64, 6)):
+                    alt = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs,
+                                              block_n=block_n, num_stages=stages))
+                    run.add(f"decode triton fp8 kv bn{block_n} st{stages}", f"B{b} ctx{ctx} page{page}", alt,
+                            nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                            note="vs_baseline: the default tiles")
+    worst = min((v for v in run.fp8_vs_copy.values() if v is not None), default=None)
+    long = [v for (ctx, _), v in run.fp8_vs_copy.items() if v is not None and ctx >= 8192]
+    print(f"  fp8 KV decode vs copy of its bytes: worst {worst}, ctx >= 8192 worst "
+          f"{min(long) if long else None} (acceptance: >= 0.9)", flush=True)
