@@ -218,18 +218,14 @@ class DecodeBackend(EngineFacts):
         return outputs
 
 
-def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
-                      host: EngineHost | None = None) -> None:
+def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None, host: EngineHost) -> None:
     app.add_middleware(ProducerHeader)
-    backend: DecodeBackend | None = host.backend if host is not None else None
-    if backend is not None:
-        host.metrics.count_pairings(backend.pairings)
-        host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
+    backend: DecodeBackend = host.backend
+    host.metrics.count_pairings(backend.pairings)
+    host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():
-        if backend is None:
-            return msgspec.to_builtins(card)
         return msgspec.to_builtins(card) | {"consumer_id": backend.consumer_id, "pairings": dict(backend.pairings)}
 
 
