@@ -316,8 +316,8 @@ def mooncake_staging(nbytes: int, device: torch.device, transport) -> tuple[torc
     GPU), where ``transport`` registered it, and the buffer chunks are packed into or
     scattered from (the staging itself on CPU; on a GPU a device buffer, copied through it)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    base = transport.register(host)
-    return host, base, host if device.type != "cuda" else torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buf = host if device.type != "cuda" else torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return host, transport.register(host), buf  # registered last: a failed allocation leaves nothing to undo
 
 
 def two_halves(buf: torch.Tensor) -> list[torch.Tensor]:
