@@ -13,6 +13,7 @@ from transfer_kit import caches_for, wrong_units
 
 from pdflow.transfer import packing
 from pdflow.transfer.descriptors import UnitRegion, block_descriptors
+from pdflow.transfer.p2p_parts import bad_blocks, copy_chunk
 
 one_torch_thread = transfer_kit.one_torch_thread
 NUM_BLOCKS = 5
@@ -41,8 +42,11 @@ def move_all(graph, how: str):
                 ctypes.memmove(d, s, n)
         else:
             buf = torch.empty(packing.packed_nbytes(cut, len(SRC)), dtype=torch.uint8)
-            packing.pack(cut, src, SRC, buf, {n: packing.block_bytes(c) for n, c in dst.items()})
-            packing.unpack(cut, buf, DST, dst, {n: packing.block_bytes(c) for n, c in src.items()})
+            whole = packing.pieces(cut, len(SRC))  # the pairs' CPU path, the request as one chunk
+            copy_chunk(whole, buf, SRC, plan=cut, caches=src, reverse=False,
+                       other_block_bytes={n: packing.block_bytes(c) for n, c in dst.items()})
+            copy_chunk(whole, buf, DST, plan=cut, caches=dst, reverse=True,
+                       other_block_bytes={n: packing.block_bytes(c) for n, c in src.items()})
     return producer, consumer
 
 
@@ -63,7 +67,8 @@ def test_pieces_stream_the_same_bytes_as_one_pack(graph_of):
     src = caches_for(graph.producer.ranks[cut.producer_rank].units, NUM_BLOCKS, fill="random")
     dst_bytes = {u.name: u.bytes_per_block for u in graph.consumer.ranks[cut.consumer_rank].units}
     whole = torch.empty(packing.packed_nbytes(cut, len(SRC)), dtype=torch.uint8)
-    packing.pack(cut, src, SRC, whole, dst_bytes)
+    copy_chunk(packing.pieces(cut, len(SRC)), whole, SRC, plan=cut, caches=src, other_block_bytes=dst_bytes,
+               reverse=False)
     per_block = max(sum(r.length for r in g.runs) for g in cut.groups)
     pieces = packing.pieces(cut, len(SRC), max_bytes=per_block * 2)
     assert len(pieces) > len(cut.groups) and all(p.nbytes <= per_block * 2 for p in pieces)
@@ -77,13 +82,9 @@ def test_pieces_stream_the_same_bytes_as_one_pack(graph_of):
         packing.pieces(cut, len(SRC), max_bytes=per_block - 1)
 
 
-def test_unpack_refuses_repeated_blocks_and_a_wrong_sized_buffer(graph_of):
-    graph = graph_of(*CASES["tp2->tp4 page16"])
-    cut = graph.cuts[0]
-    dst = caches_for(graph.consumer.ranks[cut.consumer_rank].units, NUM_BLOCKS, fill="poison")
-    src_bytes = {u.name: u.bytes_per_block for u in graph.producer.ranks[cut.producer_rank].units}
-    buf = torch.zeros(packing.packed_nbytes(cut, 2), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="repeat"):
-        packing.unpack(cut, buf, [1, 1], dst, src_bytes)
-    with pytest.raises(ValueError, match="uint8 bytes"):
-        packing.unpack(cut, buf[1:], [1, 2], dst, src_bytes)
+def test_scattering_refuses_repeated_or_out_of_pool_blocks():
+    """Checked before a byte lands (``bad_blocks``): a repeated id would scatter twice, an
+    out-of-range one writes outside the cache (on a GPU, takes the device context down)."""
+    assert "repeat" in bad_blocks([1, 1], NUM_BLOCKS)
+    assert "outside the pool" in bad_blocks([1, NUM_BLOCKS], NUM_BLOCKS)
+    assert bad_blocks([4, 0, 2], NUM_BLOCKS) == ""

@@ -22,7 +22,8 @@ from transfer_kit import caches_for, producer_caches_of  # noqa: E402
 from pdflow.graph import CONSUMER  # noqa: E402
 from pdflow.transfer import run_table  # noqa: E402
 from pdflow.transfer.p2p import chunks  # noqa: E402
-from pdflow.transfer.packing import pack, packed_nbytes, unpack  # noqa: E402
+from pdflow.transfer.p2p_parts import copy_chunk  # noqa: E402
+from pdflow.transfer.packing import packed_nbytes, pieces  # noqa: E402
 from pdflow.transfer.run_table import RunTable, direct_rows  # noqa: E402
 
 if not torch.cuda.is_available():  # imported earlier by another module, compiled for a GPU
@@ -31,6 +32,17 @@ if not torch.cuda.is_available():  # imported earlier by another module, compile
 SRC, DST = [4, 0, 3], [1, 5, 2]
 OVERRIDES = ["transfer=nccl", "prefill=pp2", "decode=tp2", "drafter=dspark", "prefill.block_size=32",
              "decode.block_size=32"]
+
+
+def pack(plan, caches, blocks, out, dst_bytes) -> None:
+    """The oracle: the pairs' CPU pack (torch index ops per piece), the request as one chunk."""
+    copy_chunk(pieces(plan, len(blocks)), out, blocks, plan=plan, caches=caches, other_block_bytes=dst_bytes,
+               reverse=False)
+
+
+def unpack(plan, packed, blocks, caches, src_bytes) -> None:
+    copy_chunk(pieces(plan, len(blocks)), packed, blocks, plan=plan, caches=caches, other_block_bytes=src_bytes,
+               reverse=True)
 
 
 def _copy(kind: str, table: torch.Tensor, max_words: int, **how) -> None:

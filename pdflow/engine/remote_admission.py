@@ -1,7 +1,8 @@
-"""How a P/D consumer admits a prompt: decode-side prefix reuse and local prefill.
+"""How a P/D consumer admits a prompt (decode-side prefix reuse and local prefill), and
+settles it once the producer's KV has landed or failed.
 
 Why here: ``Deployment`` and a separately started decode instance (``serve/pd_decode``)
-admit the same way, so the choice and the counts live in one place. The consumer
+admit and settle the same way, so the choice, the counts and the outcome live in one place. The consumer
 matches the prompt against its own prefix cache (whole blocks) and allocates only the
 uncached suffix; the ``KVTarget`` names just those blocks (``first_block`` on), so the
 producer, which still computes the whole prompt (from its own prefix cache where it
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdflow.engine.llm_engine import LLMEngine
+from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
 
@@ -60,3 +62,17 @@ def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: Sampling
     counts.requested_blocks += len(suffix)
     return Admission(target=KVTarget(blocks=suffix, nonce=consumer.instance.kv_nonce(list(suffix)),
                                      consumer=consumer_id, first_block=first))
+
+
+def settle_remote(consumer: LLMEngine, request_id: str, first: TokenOutput | None, error: str | None, *,
+                  aborted: bool = False) -> TokenOutput:
+    """The consumer's end of a remote prefill whose transfer settled: a request aborted
+    meanwhile frees its blocks only now (no late write lands in reused blocks), a failed
+    one (``error``) frees them and ends with it, and one whose KV landed decodes on from
+    the producer's first token (its report handed on)."""
+    if aborted or error is not None or first is None:
+        reason = "abort" if aborted else "error"
+        consumer.fail_remote(request_id, reason)
+        return TokenOutput(request_id=request_id, index=-1, token_id=-1, logprob=0.0, finished=True,
+                           finish_reason=reason, error=None if aborted else error or "no first token")
+    return consumer.complete_remote_prefill(request_id, first.token_id, first.logprob, first)

@@ -39,11 +39,12 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class EngineHost:
     """A backend, the loop that steps it, and its metrics: what the API serves."""
 
-    def __init__(self, backend: ServingBackend, *, admission: AdmissionPolicy | None = None):
+    def __init__(self, backend: ServingBackend, *, admission: AdmissionPolicy | None = None,
+                 loop: type[EngineLoop] = EngineLoop):
         self.backend = backend
         self.metrics = ServeMetrics(backend, num_active=lambda: self.loop.num_active)
-        self.loop = EngineLoop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
-                               admission=admission)
+        self.loop = loop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
+                         admission=admission)
 
     def start(self) -> EngineHost:
         self.loop.start()

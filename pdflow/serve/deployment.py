@@ -25,7 +25,7 @@ from pdflow.engine.instance import Instance
 from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
-from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer
+from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.graph.host import read_devices
@@ -224,23 +224,21 @@ class Deployment(EngineFacts):
             if not out.kv_settled:
                 yield self._record(out)  # served whole by the producer (the consumer is lost)
                 continue
-            failed = out.kv_error
             req = self._requests.get(out.request_id)
-            if req is not None and req.aborted:  # the transfer has settled: free the blocks now
-                self.consumer.fail_remote(out.request_id, "abort")
+            aborted = req is not None and req.aborted
+            failed = None if out.kv_error is None else f"KV transfer failed: {out.kv_error}"
+            settled = settle_remote(self.consumer, out.request_id, out, failed, aborted=aborted)
+            if aborted:
                 req.finish_reason = "abort"
                 self._settle(req)
-                yield TokenOutput(request_id=out.request_id, index=-1, token_id=-1, logprob=0.0,
-                                  finished=True, finish_reason="abort")
+                yield settled
             elif failed is not None:
-                self.consumer.fail_remote(out.request_id)
-                yield self._fail(out.request_id, f"KV transfer failed: {failed}")
+                yield self._fail(out.request_id, failed)
                 # A dead consumer rank shows first as failed writes: find out now, so later
                 # requests go to the producer alone instead of failing the same way.
                 yield from self._guarded(CONSUMER, self._probe_consumer)
             else:
-                yield self._record(self.consumer.complete_remote_prefill(out.request_id, out.token_id,
-                                                                         out.logprob, first=out))
+                yield self._record(settled)
 
     def _collect_consumer(self) -> list[TokenOutput]:
         return [self._record(out) for out in self.consumer.collect()]

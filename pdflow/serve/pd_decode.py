@@ -29,9 +29,8 @@ from fastapi import Depends, FastAPI
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
-from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer
+from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.serve.admission import AdmissionPolicy
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.engine_loop import EngineLoop
@@ -201,16 +200,11 @@ class DecodeBackend(EngineFacts):
         while item is not None:
             rid, answer = item
             self.in_flight.discard(rid)
-            if rid in self.aborted:
-                self.aborted.discard(rid)
-                self.engine.fail_remote(rid, "abort")
-            elif answer.error is not None or answer.first is None:
-                self.engine.fail_remote(rid)
-                outputs.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
-                                           finish_reason="error", error=answer.error or "no first token"))
-            else:  # as Deployment does in process: the producer's first token, its report handed on
-                first = answer.first
-                outputs.append(self.engine.complete_remote_prefill(rid, first.token_id, first.logprob, first))
+            aborted = rid in self.aborted
+            self.aborted.discard(rid)
+            settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
+            if not aborted:  # an aborted one has ended already (its abort answered)
+                outputs.append(settled)
             try:
                 item = self.results.get_nowait()
             except queue.Empty:
@@ -218,24 +212,13 @@ class DecodeBackend(EngineFacts):
         return outputs
 
 
-def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None,
-                      host: EngineHost | None = None) -> None:
+def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None, host: EngineHost) -> None:
     app.add_middleware(ProducerHeader)
-    backend: DecodeBackend | None = host.backend if host is not None else None
-    if backend is not None:
-        host.metrics.count_pairings(backend.pairings)
-        host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
+    backend: DecodeBackend = host.backend
+    host.metrics.count_pairings(backend.pairings)
+    host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))
 
     @app.get(INSTANCE_PATH, dependencies=[Depends(bearer_guard(api_key))])
     async def instance():
-        if backend is None:
-            return msgspec.to_builtins(card)
         return msgspec.to_builtins(card) | {"consumer_id": backend.consumer_id, "pairings": dict(backend.pairings)}
 
-
-def pairing_host(backend: DecodeBackend, *, admission: AdmissionPolicy | None = None) -> EngineHost:
-    """An ``EngineHost`` whose loop tags prompts with the request's producer."""
-    host = EngineHost(backend)
-    host.loop = PairingLoop(backend, on_token=host.metrics.on_token, on_finish=host.metrics.on_finish,
-                            admission=admission)
-    return host

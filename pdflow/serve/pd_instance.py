@@ -50,11 +50,11 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
 
         host = EngineHost(PrefillBackend(engine), admission=policy_of(spec.serve))
     else:
-        from pdflow.serve.pd_decode import DecodeBackend, pairing_host
+        from pdflow.serve.pd_decode import DecodeBackend, PairingLoop
 
         backend = DecodeBackend(engine, fingerprint=print_, api_key=api_key, timeout_s=EXCHANGE_TIMEOUT_S)
         stack.callback(backend.shutdown)
-        host = pairing_host(backend, admission=policy_of(spec.serve))
+        host = EngineHost(backend, admission=policy_of(spec.serve), loop=PairingLoop)
     host.start()
     stack.callback(host.stop)
     app = create_app(host, model_name=model_name, api_key=api_key, request_timeout_s=spec.serve.request_timeout_s,

@@ -60,15 +60,16 @@ from pdflow.transfer.p2p_parts import (
     copy_chunk,
     device_identity,
     enable_peer_access,
-    host_buffer,
     local_device,
     map_cache,
     map_ipc,
+    mooncake_staging,
     pair_group,
     pool_blocks,
     request_chunks,
     size_of,
     synchronize,
+    two_halves,
 )
 from pdflow.transfer.packing import Piece, packed_nbytes
 from pdflow.transfer.run_table import RunTable, direct_rows
@@ -142,11 +143,8 @@ class P2PPeer:
         elif self.mover == "ipc":
             self.buf = self._in_process(ready.in_process) if ready.in_process else map_ipc(ready.ipc, self.device)
         elif self.mover == "mooncake":  # pack (on the GPU), to host, one write into the consumer's buffer
-            self.host = host_buffer(self.buffer_bytes, self.device)
-            self.host_base = self.transport.register(self.host)
+            self.host, self.host_base, self.buf = mooncake_staging(self.buffer_bytes, self.device, self.transport)
             self.remote = (ready.session, ready.base)
-            self.buf = self.host if self.device.type != "cuda" else torch.empty(
-                self.buffer_bytes, dtype=torch.uint8, device=self.device)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             try:
@@ -155,8 +153,7 @@ class P2PPeer:
             except TransferError:
                 self.conn.close()
                 raise
-            half = self.buffer_bytes // 2
-            self.halves = [self.buf[:half], self.buf[half:2 * half]]  # ``_stream``'s two slots
+            self.halves = two_halves(self.buf)  # ``_stream``'s two slots
             # The consumer's verdict on each request (``_verdict``), and its host copy.
             self.verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.verdict_host = self.verdict if self.device.type != "cuda" else torch.zeros(

@@ -42,7 +42,7 @@ from pdflow.transfer.p2p_parts import (
     bad_blocks,
     copy_chunk,
     device_identity,
-    host_buffer,
+    mooncake_staging,
     pair_group,
     pool_blocks,
     request_chunks,
@@ -52,6 +52,7 @@ from pdflow.transfer.p2p_parts import (
     side_stream,
     size_of,
     synchronize,
+    two_halves,
 )
 from pdflow.transfer.packing import Piece
 from pdflow.transfer.run_table import RunTable
@@ -216,35 +217,26 @@ class _Session:
             group = pair_group(hello.mover, ready.store_path, 0, lis.spec.timeout_s, buf[:buf.numel() // 2])
         return plan, buf, group, sources
 
-    def _refusal(self, hello: P2PHello) -> tuple[str, CutPlan | None]:
+    def _set_up(self, hello: P2PHello):
+        """(the answer, (plan, buffer, group, source block bytes) or None when refused)."""
         lis = self.listener
         cut = lis.graph.cut(hello.producer_rank, lis.rank)
         if cut is None:
-            return f"no cut plan joins producer rank {hello.producer_rank} to consumer rank {lis.rank}", None
+            return P2PReady(refused=f"no cut plan joins producer rank {hello.producer_rank} to consumer rank "
+                                    f"{lis.rank}"), None
         plan = cut.over(set(hello.units))
         missing = sorted({d for g in plan.groups for _, d in g.units} - set(lis.caches))
         expected = ("mooncake",) if lis.transport is not None else (
             ("gloo",) if lis.identity == "cpu" else ("nccl", "ipc", "peer"))
         if missing:
-            return f"consumer rank {lis.rank} has no caches for {missing}", plan
+            return P2PReady(refused=f"consumer rank {lis.rank} has no caches for {missing}"), None
         if hello.mover not in expected:
-            return f"mover {hello.mover!r} cannot reach caches on {lis.identity}", plan
-        return "", plan
-
-    def _set_up(self, hello: P2PHello):
-        """(the answer, (plan, buffer, group, source block bytes) or None when refused)."""
-        lis = self.listener
-        refused, plan = self._refusal(hello)
-        if refused:
-            return P2PReady(refused=refused), None
+            return P2PReady(refused=f"mover {hello.mover!r} cannot reach caches on {lis.identity}"), None
         buffer_bytes = lis.pair_buffer_bytes(plan)
         group = None
         if hello.mover == "mooncake":  # bytes land in host staging; scattered from there (or its copy)
-            self.host = host_buffer(buffer_bytes, lis.device)
-            base = self.host_base = lis.transport.register(self.host)
-            buf = self.host if lis.device.type != "cuda" else torch.empty(buffer_bytes, dtype=torch.uint8,
-                                                                          device=lis.device)
-            ready = P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=base)
+            self.host, self.host_base, buf = mooncake_staging(buffer_bytes, lis.device, lis.transport)
+            ready = P2PReady(buffer_bytes=buffer_bytes, session=lis.transport.session_id, base=self.host_base)
         elif hello.mover == "peer":  # the producer writes the caches themselves: no buffer
             dst = sorted({d for g in plan.groups for _, d in g.units})
             if hello.pid == os.getpid():  # one process: the caches themselves
@@ -261,8 +253,7 @@ class _Session:
                 ready = P2PReady(buffer_bytes=buffer_bytes, ipc=share_ipc(buf.untyped_storage()))
         else:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=lis.device)
-            half = buffer_bytes // 2  # the pipeline's two slots, and its verdicts: ok (0), failed (1)
-            self.slots = [buf[:half], buf[half:2 * half]]
+            self.slots = two_halves(buf)  # the pipeline's two slots, and its verdicts: ok (0), failed (1)
             self.verdicts = [torch.tensor([v], dtype=torch.int64, device=lis.device) for v in (0, 1)]
             path = os.path.join(lis._dir, f"pair-{hello.producer_rank}-{uuid.uuid4().hex}")
             ready = P2PReady(buffer_bytes=buffer_bytes, store_path=path)

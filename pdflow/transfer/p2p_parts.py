@@ -311,9 +311,19 @@ def map_ipc(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host staging for a Mooncake pair: pinned when the caches are on a GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+def mooncake_staging(nbytes: int, device: torch.device, transport) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Either end of a Mooncake pair: its host staging (pinned when the caches are on a
+    GPU), where ``transport`` registered it, and the buffer chunks are packed into or
+    scattered from (the staging itself on CPU; on a GPU a device buffer, copied through it)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = host if device.type != "cuda" else torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return host, transport.register(host), buf  # registered last: a failed allocation leaves nothing to undo
+
+
+def two_halves(buf: torch.Tensor) -> list[torch.Tensor]:
+    """A pipelined pair's two slots (gloo, nccl): chunk i+1 fills one while chunk i moves."""
+    half = buf.numel() // 2
+    return [buf[:half], buf[half:2 * half]]
 
 
 def side_stream(device: torch.device):

@@ -7,14 +7,15 @@ scatters it into the unit caches on the consumer. The packed order is the direct
 descriptor order (group, unit pair, block, run), so both paths leave the consumer's
 caches byte-identical.
 
-Pure torch on byte views, no engine: ``pack``/``unpack`` move whole requests, ``pieces``
-splits a request's stream into pieces under a staging buffer's size for streaming.
+Pure torch on byte views, no engine: ``pieces`` splits a request's stream into pieces
+under a staging buffer's size; ``pack_piece``/``unpack_piece`` move one (the pairs'
+``copy_chunk`` runs them per chunk on CPU caches).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,30 +109,3 @@ def unpack_piece(plan: CutPlan, piece: Piece, packed: torch.Tensor, blocks: Sequ
     rows = _rows(group, "dst", grain)
     idx = _index(rows, blocks[piece.start:piece.stop], block_bytes(cache) // grain, cache.device)
     byte_rows(cache, grain).index_copy_(0, idx, byte_rows(packed, grain))
-
-
-def pack(plan: CutPlan, caches: Mapping[str, torch.Tensor], blocks: Sequence[int], out: torch.Tensor,
-         dst_block_bytes: Mapping[str, int]) -> None:
-    """Gather the runs of producer ``blocks`` into ``out`` (``packed_nbytes`` uint8 bytes).
-    ``dst_block_bytes`` gives each consumer unit's bytes per block."""
-    _check_out(plan, blocks, out)
-    for p in pieces(plan, len(blocks)):
-        pack_piece(plan, p, caches[p.src_unit], blocks, out[p.offset:p.offset + p.nbytes],
-                   dst_block_bytes=dst_block_bytes[p.dst_unit])
-
-
-def unpack(plan: CutPlan, packed: torch.Tensor, blocks: Sequence[int], caches: Mapping[str, torch.Tensor],
-           src_block_bytes: Mapping[str, int]) -> None:
-    """Scatter ``packed`` into consumer ``blocks`` of ``caches`` (block ids must be distinct)."""
-    _check_out(plan, blocks, packed)
-    if len(set(blocks)) != len(blocks):
-        raise ValueError(f"consumer block ids repeat: {list(blocks)}")
-    for p in pieces(plan, len(blocks)):
-        unpack_piece(plan, p, packed[p.offset:p.offset + p.nbytes], blocks, caches[p.dst_unit],
-                     src_block_bytes=src_block_bytes[p.src_unit])
-
-
-def _check_out(plan: CutPlan, blocks: Sequence[int], buf: torch.Tensor) -> None:
-    want = packed_nbytes(plan, len(blocks))
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
-        raise ValueError(f"packed buffer must be {want} uint8 bytes, got {tuple(buf.shape)} {buf.dtype}")
