@@ -52,6 +52,8 @@ class ScriptedBackend:
         return self.running.pop(request_id, None) is not None
 
     def step(self):
+        if not self.running:  # idle, as LLM.step: the loop steps an idle backend (cheap, nothing run)
+            return []
         time.sleep(self.step_s)
         self.steps += 1
         if self.fail_after is not None and self.steps > self.fail_after:
