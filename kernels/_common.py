@@ -118,7 +118,7 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     if QUANT:
         e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
         scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        return (x.to(tl.float32) * scale[:, None]).to(DT)
+        x = (x.to(tl.float32) * scale[:, None]).to(DT)  # one return: compiled Triton wants one type
     return x
 
 

@@ -11,7 +11,7 @@ from pdflow import SamplingParams
 from pdflow.engine.llm import LLM
 from pdflow.spec.load import compose_spec
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 BASE = ["mode=monolithic", "decode=tp1", "decode.device=cuda", "tracking=off", "decode.enable_prefix_caching=false"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

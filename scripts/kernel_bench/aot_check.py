@@ -39,8 +39,16 @@ SMEM_LIMIT = 227 * 1024
 BF = "*bf16"
 
 
+# The fp8 KV cache's per-(token, head) scale caches (e8m0 bytes) and the constexprs of the
+# kernels that read or write them: a case that does not say compiles the unquantized path.
+SCALE_PTRS = {"ks_ptr": "*u8", "vs_ptr": "*u8"}
+QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS}
+
+
 def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **opts):
     names = fn.arg_names
+    consts = {**{k: v for k, v in QUANT_DEFAULTS.items() if k in names}, **consts}
+    ptrs = {**{k: v for k, v in SCALE_PTRS.items() if k in names}, **ptrs}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")
            for n in names}
     cx = {(names.index(n),): v for n, v in consts.items()}
@@ -130,6 +138,17 @@ def cases():
            dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
            dict(num_warps=4), False)
+    # fp8 (e4m3) KV: the quantizing write and the dequantizing decode and pointer prefill.
+    f8 = "*fp8e4nv"
+    yield ("store_kv fp8", SK._store_kv_kernel,
+           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True),
+           dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
+           dict(num_warps=4), False)
+    yield ("decode fp8", DA._paged_split_kernel,
+           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True},
+           {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
+    yield ("prefill fp8", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64, "QUANT": True},
+           {**pre, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=8, num_stages=2), False)
 
 
 # (pointer type, itemsize, dot precision) of the dtypes the prefill launcher serves.
