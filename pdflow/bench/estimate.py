@@ -255,18 +255,17 @@ def _goodput(out: Estimate, graph: RunGraph, decode: Pricer, prefill: Pricer, sl
     per_request = math.ceil((length + output + k) / max(1, budget.block_size))
     fit = min(spec.decode.max_num_seqs, budget.pool_blocks // max(1, per_request))
     context = length + output // 2
-    best = 0
+    best, best_tpot = 0, 0.0
     for b in range(1, fit + 1):
         tpot = decode.step_s(b * (k + 1), context, b) / tpf
         if slo.tpot_s is not None and tpot > slo.tpot_s:
             break
-        best = b
+        best, best_tpot = b, tpot
     if best == 0:
         out.limits.append("no decode batch fits the pool and slo.tpot_s" if fit else
                           f"the decode pool ({budget.pool_blocks} blocks) cannot hold one request")
         return
-    tpot = decode.step_s(best * (k + 1), context, best) / tpf
-    decode_rate = best * decode.depth(best) / (output * tpot)
+    decode_rate = best * decode.depth(best) / (output * best_tpot)
     _, tok_s = prefill.prefill(length)
     prefill_rate = tok_s / length
     if graph.producer is None:
