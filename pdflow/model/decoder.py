@@ -47,11 +47,6 @@ class Attention(nn.Module):
             head_dim=d, scale=d**-0.5,
         )
 
-    def forward(self, x, positions, meta: AttentionMetadata, fused: bool = False):
-        q, k, v, stored = self.project(x, positions, meta.slot_mapping, fused)
-        out = self.attn(q, k, v, meta, kv_stored=stored)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
-
     def project(self, x, positions, slot_mapping, fused: bool = False, *, into: torch.Tensor | None = None):
         """q, k, v ([T, H, D]) of ``x``, rotated, and whether their K/V is already in the
         bound caches (the fused kernel writes it). ``into`` ([T, (H_q + 2 H_kv) * D]): a
