@@ -122,6 +122,16 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     return x
 
 
+def kv_scales(k_cache, k_scale, v_scale, placeholder):
+    """(quant, k_scale, v_scale) for a launch: an fp8 cache's scale caches checked
+    ([..., page, 1], contiguous like the cache), else ``placeholder`` for both pointers."""
+    if k_scale is None:
+        return False, placeholder, placeholder
+    assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+    assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
+    return True, k_scale, v_scale
+
+
 EXP_MODES = {"exp2": 0, "bf16x2": 1, "f16x2": 2}
 
 

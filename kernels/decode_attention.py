@@ -22,7 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, interpreting, load_kv, mma, page_offsets, sm_count
+from ._common import (
+    LOG2E,
+    dot_precision,
+    interpreting,
+    kv_scales,
+    load_kv,
+    mma,
+    page_offsets,
+    sm_count,
+)
 from .reference import decode_attention as decode_attention_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
@@ -164,12 +173,8 @@ def paged_attention(
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    quant = k_scale is not None
-    if quant:  # a scale's offset is its token-head's element offset / D
-        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
-        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
-    else:
-        k_scale = v_scale = context_lens
+    # a scale's offset is its token-head's element offset / D
+    quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, context_lens)
     group = h_q // h_kv
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))

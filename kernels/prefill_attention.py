@@ -21,6 +21,7 @@ from ._common import (
     LOG2E,
     dot_precision,
     interpreting,
+    kv_scales,
     load_kv,
     mma,
     page_offsets,
@@ -164,12 +165,8 @@ def prefill_attention(
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
-    quant = k_scale is not None  # fp8: dequantized as loaded (decode_attention.load_kv)
-    if quant:
-        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
-        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
-    else:
-        k_scale = v_scale = context_lens
+    # fp8: dequantized as loaded (_common.load_kv)
+    quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, context_lens)
     upcast = interpreting(q)
     tiles = INTERPRETER_TILES if upcast else prefill_tiles(
         q.element_size(), d, g_pad, shared_memory_limit(q.device))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import kv_scales
 from .kv_quant import HEADROOM_BITS, MIN_NORMAL
 from .reference import store_kv as store_kv_reference
 
@@ -90,10 +91,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
     assert (h, d) == (hc, dc) and v.shape == k.shape and v_cache.shape == k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    quant = k_scale is not None
-    if quant:
-        assert k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
-        assert k_scale.shape == k_cache.shape[:4] + (1,) and v_scale.shape == k_scale.shape
+    quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, slot_mapping)
     if n == 0:
         return
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
@@ -101,7 +99,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
         num_warps = 4 if block_h * block_d >= 1024 else 1
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
-        k_scale if quant else slot_mapping, v_scale if quant else slot_mapping,
+        k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:4],
         H=h, D=d, PAGE=page, PPB=ppb, BLOCK_H=block_h, BLOCK_D=block_d,

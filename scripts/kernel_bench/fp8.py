@@ -21,7 +21,8 @@ from pdflow.kernels.kv_quant import FP8
 from pdflow.kernels.store_kv import store_kv
 
 from . import paged_inputs as T
-from .shapes import DT, PAGES, TOL, decode_bytes, heads
+from .benchmarks import _record as check_close
+from .shapes import DT, PAGES, decode_bytes, heads
 
 
 def fp8_paged(batch, ctx, h_kv, d, page, ppb, device, seed=0):
@@ -49,11 +50,6 @@ def fp8_decode_bytes(b, ctx, hq, hkv, d):
     return 2 * b * ctx * hkv * (d + 1) + 2 * b * hq * d * 2
 
 
-def _record(run, name, ok, err, tol):
-    run.checks.append({"name": name, "err": err, "tol": tol, "ok": bool(ok)})
-    print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
-
-
 def check_fp8(run) -> None:
     hq, hkv, d = heads(run)
     dev = run.dev
@@ -70,7 +66,9 @@ def check_fp8(run) -> None:
         ref.store_kv(k, v, *want[:2], slots, *want[2:])
         store_kv(k, v, *got[:2], slots, *got[2:])
         diff = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, want, strict=True))
-        _record(run, f"fp8 store_kv page{page} N{n} (bytes differing: {diff})", diff == 0, float(diff), 0)
+        name = f"fp8 store_kv page{page} N{n} (bytes differing: {diff})"
+        run.checks.append({"name": name, "err": float(diff), "tol": 0, "ok": diff == 0})
+        print(f"  {'ok  ' if diff == 0 else 'FAIL'} {name}: rel err {diff:.2e} (tol 0e+00)", flush=True)
     lens = [40, 1, 33, 17] if run.tiny else [8192, 1, 4099, 777, 3000]
     for page, ppb in PAGES:
         for splits in (None, 4):
@@ -79,15 +77,13 @@ def check_fp8(run) -> None:
             q = T.randn(len(lens), hq, d, dtype=DT, device=dev)
             want = ref.decode_attention(q.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
             got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
-            err = T.rel_err(got, want)
-            _record(run, f"fp8 decode page{page} splits{splits}", err < TOL[DT], err, TOL[DT])
+            check_close(run, f"fp8 decode page{page} splits{splits}", got, want, DT)
         kb = 4
         qb = T.randn(len(lens), kb, hq, d, dtype=DT, device=dev)
         xk, xv = (T.randn(len(lens), kb, hkv, d, dtype=DT, device=dev) for _ in range(2))
         want = ref.block_attention(qb.double(), xk.double(), xv.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
         got = block_attention(qb, xk, xv, kc, vc, cl, bt, d**-0.5, ks, vs)
-        err = T.rel_err(got, want)
-        _record(run, f"fp8 block page{page}", err < TOL[DT], err, TOL[DT])
+        check_close(run, f"fp8 block page{page}", got, want, DT)
 
 
 def bench_fp8(run) -> None:
