@@ -11,6 +11,7 @@ Each row fails on its own (the table says why); the table comes last.
     python scripts/bench_engine.py --shape qwen3-0.6b,llama3-8b --fused both   # H200, ~3 min
     python scripts/bench_engine.py --shape qwen3-0.6b --overlap both            # overlap on vs off
     python scripts/bench_engine.py --shape qwen3-30b-a3b --fused on             # H200, MoE
+    python scripts/bench_engine.py --shape qwen3-30b-a3b --fused on --layers 12 # 1/4 the bytes
     python scripts/bench_engine.py --shape qwen3-30b-a3b --kv-dtype fp8_e4m3    # MoE, fp8 KV
     python scripts/bench_engine.py --shape tiny --device cpu                     # CPU
     python scripts/bench_engine.py --model PATH --batch 8 --prompt-len 256 --output-len 64
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "CUDA rank; both: one pdflow row each, on then off)")
     p.add_argument("--kv-dtype", default="auto",
                    help="pdflow's KV cache dtype (auto: the weights'; fp8_e4m3: fp8 with scales)")
+    p.add_argument("--layers", type=int,
+                   help="keep the shape's geometry but build this many decoder layers (a "
+                   "48-layer 30B-A3B checkpoint is ~61 GB: more than a 64 GiB disk holds)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the final table (markdown) here")
@@ -140,13 +144,16 @@ def measure_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
     return flops, bandwidth
 
 
-def write_checkpoint(folder: Path, shape: str, device: str, dtype: torch.dtype, seed: int):
+def write_checkpoint(folder: Path, shape: str, device: str, dtype: torch.dtype, seed: int,
+                     layers: int | None = None):
     """A random-init HF model of the shape, built on ``device`` in ``dtype`` and saved with
     ``save_pretrained``; returned too, to serve as the transformers baseline."""
     import transformers
 
     family, fields, _ = SHAPES[shape]
     common = dict(fields, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    if layers:
+        common["num_hidden_layers"] = layers
     if family == "qwen3":
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
     elif family == "qwen3_moe":
@@ -277,7 +284,8 @@ def bench_shape(shape: str, args, rates, failures: dict) -> list[dict]:
         else:
             folder = Path(tmp)
             hf_model = soft(f"{shape} checkpoint",
-                            lambda: write_checkpoint(folder, shape, args.device, dtype, args.seed),
+                            lambda: write_checkpoint(folder, shape, args.device, dtype, args.seed,
+                                                     args.layers),
                             failures)
             if hf_model is None:
                 return [dict(shape=shape, run="checkpoint", error=failures[f"{shape} checkpoint"])]
