@@ -100,3 +100,19 @@ def test_serve_rank_sets_the_graphs_gpu(graph_of, monkeypatch):
         with pytest.raises(_Stop):
             rank_loop.serve_rank(ctx, channel=None)
     assert chosen == [torch.device("cuda", i) for i in (4, 5, 6, 7)]
+
+
+def test_one_instance_llm_spec_counts_only_its_own_ranks_against_free_memory():
+    """An ``LLM`` starts its decode instance alone: 0.9 of a GPU with ~0.99 of it free
+    fits. (As a two-sided spec the unstarted prefill side's 0.9 was counted too, and
+    every one-GPU ``LLM(memory=0.9)`` was refused as DEVICE_MEMORY_SHORT.)"""
+    from pdflow.graph.devices import DeviceFacts, GpuMemory
+
+    model = ModelSpec(name="t", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=100, max_model_len=256)
+    par = ParallelSpec(block_size=16, num_kv_blocks=16, device="cuda", memory=0.9)
+    gib = 1 << 30
+    facts = DeviceFacts(gpus=(GpuMemory(index=0, total_bytes=140 * gib, free_bytes=139 * gib),))
+    graph = build_graph(run_spec_for(model, par), facts)
+    assert not graph.refusals, graph.refusals
+    assert graph.producer is None and set(graph.budgets) == {"decode"}

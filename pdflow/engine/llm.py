@@ -50,7 +50,7 @@ def run_spec_for(
         parallel = dataclasses.replace(parallel, kv_page_tokens=parallel.block_size)
     return RunSpec(
         model=model, prefill=parallel, decode=parallel, drafter=DrafterSpec(), seed=seed,
-        name="llm",
+        name="llm", mode="monolithic",  # one instance: no prefill side placed, sized or counted
     )
 
 
