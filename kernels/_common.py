@@ -122,13 +122,6 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     return x
 
 
-@triton.jit
-def load_scale(s_ptr, tok, row_ok, D: tl.constexpr):
-    """[BLOCK_N] fp32 power-of-two scales of an fp8 cache's token-heads (1.0 off ``row_ok``)."""
-    e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
-    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
 def kv_scales(k_cache, k_scale, v_scale, placeholder):
     """(quant, k_scale, v_scale) for a launch: an fp8 cache's scale caches checked
     ([..., page, 1], contiguous like the cache), else ``placeholder`` for both pointers."""

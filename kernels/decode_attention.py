@@ -11,10 +11,9 @@ optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
 block, see block_attention.py): the last split attends to them in one extra tile after
 its context loop, so the context loop is exactly the decode loop (mixing the block
 tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
-An fp8 cache (``k_scale``/``v_scale`` given) is upcast to q's dtype as loaded (exact) and
-each token-head's power-of-two scale (its byte exponent, at its element offset / D) is
-applied to the score columns and to p's columns rather than to every element: the same
-products as dequantizing first (kernels/kv_quant.py), with the dots fed from the loads.
+An fp8 cache (``k_scale``/``v_scale`` given) is dequantized in registers as it is loaded:
+each token-head's byte exponent (at its element offset / D) times the e4m3 values, exact
+in q's dtype, so the dots and the softmax are the 16-bit path's (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from ._common import (
     dot_precision,
     interpreting,
     kv_scales,
-    load_scale,
+    load_kv,
     mma,
     page_offsets,
     sm_count,
@@ -39,23 +38,15 @@ __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
 
 @triton.jit
 def _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr, ks=None, vs=None, QUANT: tl.constexpr = False):
+                 UPCAST: tl.constexpr):
     """One K/V tile of the online softmax; ``ok`` masks the tile's invalid columns (every
-    tile here has at least one valid column, so the running max is finite). QUANT: ``k``
-    and ``v`` are an fp8 tile's raw values (upcast exactly) and ``ks``/``vs`` its
-    per-token power-of-two scales, applied to the scores' columns and to ``p``'s columns
-    instead of to every element: the same products (a power of two commutes with each
-    rounding), and the dot operands come straight from the loads."""
+    tile here has at least one valid column, so the running max is finite)."""
     s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
-    if QUANT:
-        s = s * ks[None, :]
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT:
-        p = p * vs[None, :]
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
     return m_new, l_i, acc
 
@@ -107,16 +98,9 @@ def _paged_split_kernel(
         ok = pos < end
         tok = page_offsets(bt_ptr + b * s_bt, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if QUANT:
-            ks = load_scale(ks_ptr, tok, ok, D)
-            vs = load_scale(vs_ptr, tok, ok, D)
-            m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC,
-                                         UPCAST, ks, vs, QUANT)
-        else:
-            m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC,
-                                         UPCAST)
+        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.
     if NX > 0:  # noqa: SIM102 (constexpr test: the block code is not compiled for decode)
@@ -195,8 +179,8 @@ def paged_attention(
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
     block_d = max(16, triton.next_power_of_2(d))
-    if block_n is None:
-        block_n = 64 if block_m <= 64 else 32
+    if block_n is None:  # fp8: half the bytes per tile, so twice the tokens (1.3x on the H200)
+        block_n = (128 if quant else 64) if block_m <= 64 else 32
     if num_warps is None:
         num_warps = 4
     if num_stages is None:

@@ -105,10 +105,14 @@ def bench_fp8(run) -> None:
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
-                for block_n, stages in ((128, 4), (128, 2), (64, 6)):
+                for block_n, warps, stages, splits in ((64, 4, 4, None), (128, 8, 3, None),
+                                                       (256, 8, 3, None), (256, 4, 3, None),
+                                                       (128, 4, 4, 2), (128, 4, 4, 4)):
                     alt = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs,
-                                              block_n=block_n, num_stages=stages))
-                    run.add(f"decode triton fp8 kv bn{block_n} st{stages}", f"B{b} ctx{ctx} page{page}", alt,
+                                              block_n=block_n, num_warps=warps, num_stages=stages,
+                                              num_splits=splits))
+                    tile = f"bn{block_n} w{warps} st{stages}" + (f" splits{splits}" if splits else "")
+                    run.add(f"decode triton fp8 kv {tile}", f"B{b} ctx{ctx} page{page}", alt,
                             nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                             note="vs_baseline: the default tiles")
     worst = min((v for v in run.fp8_vs_copy.values() if v is not None), default=None)
