@@ -96,19 +96,19 @@ def bench(name, shape, tokens_list, tp, dev, dtype, flops_s, bytes_s) -> list[di
                          torch_ms=torch_ms, roof_ms=roof_ms, bound="memory" if nbytes / bytes_s
                          >= flops / flops_s else "compute"))
         print(f"[{name} T={tokens}] experts hit {hit}, max |diff| {diff:.3g}, kernel {kernel_ms:.3f} ms, "
-              f"torch {torch_ms:.3f} ms, roofline {roof_ms:.3f} ms", flush=True)
+              f"torch {torch_ms:.3f} ms, roofline {roof_ms:.3g} ms", flush=True)
     return rows
 
 
 def table(rows, header: str) -> str:
     lines = [header, "",
              "| shape | tokens | experts hit | max abs diff | kernel ms | torch ms | x torch | "
-             "roofline ms | bound | share of roofline |",
+             "roofline ms | bound | roofline / kernel |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['hit']} | {r['diff']:.3g} | "
                      f"{r['kernel_ms']:.3f} | {r['torch_ms']:.3f} | {r['torch_ms'] / r['kernel_ms']:.1f} | "
-                     f"{r['roof_ms']:.3f} | {r['bound']} | {r['roof_ms'] / r['kernel_ms']:.0%} |")
+                     f"{r['roof_ms']:.3g} | {r['bound']} | {r['roof_ms'] / r['kernel_ms']:.3g} |")
     return "\n".join(lines)
 
 
