@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Mapping
@@ -83,9 +84,14 @@ class P2PListener:
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._dir = tempfile.mkdtemp(prefix="pdflow-p2p-")
         self._sessions: list[_Session] = []
+        # Joined by close: a thread of this listener still ending after it would drop the
+        # listener's last reference (and its tensors) while the interpreter finalizes,
+        # and freeing a tensor then aborts the process ("terminate called without an
+        # active exception": the GIL is gone, pthread_exit unwinds through torch's C++).
+        self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self.landed = 0  # requests scattered completely
-        threading.Thread(target=self._accept, name=f"p2p-accept-{rank}", daemon=True).start()
+        self._start_thread(self._accept, f"p2p-accept-{rank}")
 
     @property
     def pairing(self) -> str:
@@ -111,15 +117,24 @@ class P2PListener:
                 return
             session = _Session(self, FramedSocket(sock))
             self._sessions.append(session)
-            threading.Thread(target=session.serve, name=f"p2p-recv-{self.rank}", daemon=True).start()
+            self._start_thread(session.serve, f"p2p-recv-{self.rank}")
 
-    def close(self) -> None:
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def close(self, join_s: float = 5.0) -> None:
         self._closed.set()
         with contextlib.suppress(OSError):  # wakes the accepting thread (closing alone may not)
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         for session in list(self._sessions):  # sessions leave the list as they end
             session.conn.close()
+        until = time.monotonic() + join_s  # a session stuck in a device wait is left behind
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, until - time.monotonic()))
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
