@@ -27,6 +27,14 @@ class ServeMetrics:
         r, p = self.registry, prefix
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
+        # TTFT's two parts, as vLLM's request_queue_time / request_prefill_time: waiting for
+        # KV blocks, then the prefill (under P/D: the exchange too) until the first token.
+        self.queue_time = Histogram(f"{p}_request_queue_time_seconds",
+                                    "Arrival to admission into the engine (waiting for KV blocks).",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(f"{p}_request_prefill_time_seconds",
+                                      "Admission into the engine to the first token.",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Gap between a request's tokens.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{p}_request_latency_seconds", "Arrival to last token.",
@@ -59,6 +67,9 @@ class ServeMetrics:
     def on_token(self, ticket: Ticket, now: float) -> None:
         if ticket.last_token_at is None:
             self.ttft.observe(now - ticket.arrival)
+            if ticket.admitted_at is not None:
+                self.queue_time.observe(ticket.admitted_at - ticket.arrival)
+                self.prefill_time.observe(now - ticket.admitted_at)
             self.prompt_tokens.inc(len(ticket.prompt_token_ids))
         else:
             self.itl.observe(now - ticket.last_token_at)

@@ -56,6 +56,7 @@ class Ticket:
     deliver: Callable[[StreamEvent], None]
     arrival: float = field(default_factory=time.monotonic)
     request_id: str | None = None
+    admitted_at: float | None = None  # into the engine, out of the waiting room
     last_token_at: float | None = None
     cancelled: bool = False
 
@@ -130,6 +131,7 @@ class ServingCore:
             return
         try:
             ticket.request_id = self.backend.add(ticket.prompt_token_ids, ticket.sampling)
+            ticket.admitted_at = time.monotonic()
         except ValueError as exc:
             self.admission.release(ticket)
             event = StreamEvent(error=str(exc), error_status=400)
