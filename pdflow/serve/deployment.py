@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.instance import Instance
-from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
+from pdflow.engine.llm import Prompt, requests_of
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
@@ -97,16 +97,9 @@ class Deployment(EngineFacts):
 
     def submit(self, prompts: Prompt | Sequence[Prompt],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[str]:
-        prompts = as_prompt_list(prompts)
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        engine = self.consumer if self.consumer is not None else self.producer
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            req = _Request(request_id=f"d{next(self._ids)}",
-                           prompt=token_ids_of(prompt, self.tokenizer, engine.config.vocab_size),
-                           sampling=p)
+        for prompt, p in requests_of(prompts, sampling, self.tokenizer, self.vocab_size):
+            req = _Request(request_id=f"d{next(self._ids)}", prompt=prompt, sampling=p)
             self._queue.append(req)
             self._requests[req.request_id] = req
             ids.append(req.request_id)
