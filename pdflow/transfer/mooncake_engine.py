@@ -152,11 +152,11 @@ class MooncakeTransport:
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(self, peer: str, descriptors: Descriptors, *, timeout_s: float | None = None) -> None:
+    def write(self, peer: str, descriptors: Descriptors) -> None:
         """Write every descriptor to ``peer`` (a session id) on its lane, off the caller's
         thread; raises ``TransferError`` on a persistent failure or at the deadline (even
         while the engine's call still blocks on the lane)."""
-        deadline = time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + self.spec.timeout_s
 
         def job(d: float) -> None:
             for src, dst, length in descriptors.batches(self.spec.descriptor_batch):
