@@ -104,6 +104,17 @@ def token_ids_of(prompt: Prompt, tokenizer, vocab: int) -> list[int]:
     return ids
 
 
+def requests_of(prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams],
+                tokenizer, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    """Each prompt's token ids and sampling (one ``SamplingParams`` for all, or one each),
+    every prompt checked before any is queued (``LLM`` and ``Deployment`` submit the same)."""
+    prompts = as_prompt_list(prompts)
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    return [(token_ids_of(p, tokenizer, vocab), s) for p, s in zip(prompts, params, strict=True)]
+
+
 class LLM(EngineFacts):
     """One engine instance driven to completion by this process (its ranks run in their
     own processes when ``parallel`` asks for TP/PP). Prompts are strings (encoded with the
@@ -152,20 +163,13 @@ class LLM(EngineFacts):
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        return token_ids_of(prompt, self.tokenizer, self.engine.config.vocab_size)
-
     def submit(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
     ) -> list[str]:
         """Queue prompts without running them; returns their request ids. One string, or one
         list of token ids, is one prompt."""
-        prompts = as_prompt_list(prompts)
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        pairs = zip(prompts, params, strict=True)
-        return [self.engine.add_request(self._token_ids(p), s) for p, s in pairs]
+        requests = requests_of(prompts, sampling, self.tokenizer, self.vocab_size)
+        return [self.engine.add_request(ids, s) for ids, s in requests]
 
     def step(self) -> list[TokenOutput]:
         """One engine step: every token it produced (none when nothing is queued)."""

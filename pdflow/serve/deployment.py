@@ -18,11 +18,11 @@ import functools
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.instance import Instance
-from pdflow.engine.llm import Prompt, as_prompt_list, token_ids_of
+from pdflow.engine.llm import Prompt, requests_of
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
@@ -34,22 +34,17 @@ from pdflow.spec import RunSpec
 
 @dataclass(kw_only=True, slots=True)
 class _Request:
-    request_id: str
-    prompt: list[int]
+    """A request's sampling, and its output built as its tokens come (what ``generate``
+    returns)."""
+
     sampling: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
+    out: RequestOutput
     # Aborted while its KV may still be on the way: ended once the transfer is settled.
     aborted: bool = False
-    # Speculative decoding counts, as the last token reported them.
-    spec_counts: tuple[int, int, int] = (0, 0, 0)
-    # What the first token reported (prompt logprobs, prefix-cache hits), and each token's
-    # top logprobs when asked.
-    first: TokenOutput | None = None
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.out.request_id
 
 
 class Deployment(EngineFacts):
@@ -97,16 +92,11 @@ class Deployment(EngineFacts):
 
     def submit(self, prompts: Prompt | Sequence[Prompt],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[str]:
-        prompts = as_prompt_list(prompts)
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        engine = self.consumer if self.consumer is not None else self.producer
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            req = _Request(request_id=f"d{next(self._ids)}",
-                           prompt=token_ids_of(prompt, self.tokenizer, engine.config.vocab_size),
-                           sampling=p)
+        for prompt, p in requests_of(prompts, sampling, self.tokenizer, self.vocab_size):
+            out = RequestOutput(request_id=f"d{next(self._ids)}", prompt_token_ids=prompt, token_ids=[], logprobs=[],
+                                text="", finish_reason=None, top_logprobs=[] if p.logprobs is not None else None)
+            req = _Request(sampling=p, out=out)
             self._queue.append(req)
             self._requests[req.request_id] = req
             ids.append(req.request_id)
@@ -120,7 +110,7 @@ class Deployment(EngineFacts):
         for _ in self.run():
             pass
         self._keep.difference_update(ids)
-        return [self._output(self._requests.pop(rid)) for rid in ids]
+        return [self._requests.pop(rid).out for rid in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling: SamplingParams | Sequence[SamplingParams]) -> Iterator[TokenOutput]:
@@ -154,11 +144,11 @@ class Deployment(EngineFacts):
         """End a request now. One whose prompt KV may be in flight to the consumer ends
         when that transfer settles, so its blocks are never reused under a late write."""
         req = self._requests.get(request_id)
-        if req is None or req.finish_reason is not None:
+        if req is None or req.out.finish_reason is not None:
             return False
         if req in self._queue:
             self._queue.remove(req)
-            req.finish_reason = "abort"
+            req.out.finish_reason = "abort"
             self._settle(req)
             return True
         if self.consumer is not None and request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
@@ -167,7 +157,7 @@ class Deployment(EngineFacts):
         done = any(e.abort(request_id) for r, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))
                    if e is not None and self._up(r))
         if done:
-            req.finish_reason = "abort"
+            req.out.finish_reason = "abort"
             self._settle(req)
         return done
 
@@ -188,14 +178,14 @@ class Deployment(EngineFacts):
             req = self._queue[0]
             if self._up(PRODUCER) and self._up(CONSUMER):
                 router = self.spec.router
-                admitted = admit_to_consumer(self.consumer, req.prompt, req.sampling, req.request_id,
+                admitted = admit_to_consumer(self.consumer, req.out.prompt_token_ids, req.sampling, req.request_id,
                                              reuse=router.prefix_reuse, local_below=router.local_prefill_tokens,
                                              counts=self.reuse)
                 if not admitted.local and admitted.target is None:
                     return  # the consumer's pool is full: admit after some requests finish
                 if admitted.target is not None:
                     first = dataclasses.replace(req.sampling, max_tokens=1)
-                    self.producer.add_request(req.prompt, first, req.request_id, kv_target=admitted.target)
+                    self.producer.add_request(req.out.prompt_token_ids, first, req.request_id, kv_target=admitted.target)
             else:
                 alone = self.consumer if self._up(CONSUMER) else self.producer if self._up(PRODUCER) else None
                 if alone is None:
@@ -203,7 +193,7 @@ class Deployment(EngineFacts):
                                      + "; ".join(f"{r}: {w}" for r, w in self.lost.items() if w))
                     self._queue.popleft()
                     continue
-                alone.add_request(req.prompt, req.sampling, req.request_id)
+                alone.add_request(req.out.prompt_token_ids, req.sampling, req.request_id)
             self._queue.popleft()
 
     def _engine_of(self, role: str) -> LLMEngine | None:
@@ -229,7 +219,7 @@ class Deployment(EngineFacts):
             failed = None if out.kv_error is None else f"KV transfer failed: {out.kv_error}"
             settled = settle_remote(self.consumer, out.request_id, out, failed, aborted=aborted)
             if aborted:
-                req.finish_reason = "abort"
+                req.out.finish_reason = "abort"
                 self._settle(req)
                 yield settled
             elif failed is not None:
@@ -268,7 +258,7 @@ class Deployment(EngineFacts):
             for rid in list(self.consumer.awaiting_kv):
                 self.consumer.fail_remote(rid)
         for rid in sorted(owned):
-            if rid in self._requests and self._requests[rid].finish_reason is None:
+            if rid in self._requests and self._requests[rid].out.finish_reason is None:
                 yield self._fail(rid, why)
         with contextlib.suppress(Exception):  # already torn down by the launcher
             engine.shutdown()
@@ -276,16 +266,19 @@ class Deployment(EngineFacts):
     def _record(self, out: TokenOutput) -> TokenOutput:
         req = self._requests.get(out.request_id)
         if req is not None:
-            req.tokens.append(out.token_id)
-            req.logprobs.append(out.logprob)
-            req.text += out.text
-            req.spec_counts = (out.num_drafted, out.num_accepted, out.num_verify_steps)
-            if out.index == 0:
-                req.first = out
-            if out.top_logprobs is not None:
-                req.top_logprobs.append(out.top_logprobs)
+            got = req.out
+            got.token_ids.append(out.token_id)
+            got.logprobs.append(out.logprob)
+            got.text += out.text
+            got.num_drafted, got.num_accepted = out.num_drafted, out.num_accepted
+            got.num_verify_steps = out.num_verify_steps
+            if out.index == 0:  # what the first token reports
+                got.num_cached_prompt_tokens = out.num_cached_tokens
+                got.prompt_logprobs, got.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+            if out.top_logprobs is not None and got.top_logprobs is not None:
+                got.top_logprobs.append(out.top_logprobs)
             if out.finished:
-                req.finish_reason = out.finish_reason
+                got.finish_reason = out.finish_reason
                 self._settle(req)
         return out
 
@@ -296,22 +289,10 @@ class Deployment(EngineFacts):
     def _fail(self, request_id: str, why: str) -> TokenOutput:
         req = self._requests.get(request_id)
         if req is not None:
-            req.finish_reason, req.error = "error", why
+            req.out.finish_reason, req.out.error = "error", why
             self._settle(req)
         return TokenOutput(request_id=request_id, index=-1, token_id=-1, logprob=0.0, finished=True,
                            finish_reason="error", error=why)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        first = req.first
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=req.tokens,
-            logprobs=req.logprobs, text=req.text, finish_reason=req.finish_reason, error=req.error,
-            num_drafted=req.spec_counts[0], num_accepted=req.spec_counts[1], num_verify_steps=req.spec_counts[2],
-            num_cached_prompt_tokens=first.num_cached_tokens if first is not None else 0,
-            top_logprobs=req.top_logprobs if req.sampling.logprobs is not None else None,
-            prompt_logprobs=first.prompt_logprobs if first is not None else None,
-            prompt_top_logprobs=first.prompt_top_logprobs if first is not None else None,
-        )
 
     # -- reporting ----------------------------------------------------------------------
 

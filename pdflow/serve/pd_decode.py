@@ -102,10 +102,8 @@ class DecodeBackend(EngineFacts):
         self.in_flight: set[str] = set()
         self.aborted: set[str] = set()
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
-        self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
-        self._paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
         self.reuse = ReuseCounts()  # remote and local prefills, prompt tokens reused (/metrics)
         self._pair_lock = threading.Lock()
@@ -137,8 +135,7 @@ class DecodeBackend(EngineFacts):
     def step(self) -> list[TokenOutput]:
         while self.waiting and self._start(*self.waiting[0]):
             self.waiting.popleft()
-        outputs, self._failed = self._failed, []
-        outputs += self._take_results(wait=not self.engine.has_unfinished() and not outputs)
+        outputs = self._take_results(wait=not self.engine.has_unfinished())
         if self.engine.has_unfinished():
             outputs += self._draft_counts.keep(self.engine.step())
         return outputs
@@ -179,10 +176,9 @@ class DecodeBackend(EngineFacts):
 
     def _pair(self, producer: str) -> None:
         with self._pair_lock:
-            if producer not in self._paired:
+            if producer not in self.pairings:
                 self._post(producer + PAIR_PATH, self.pair_request, None)
-                self._paired.add(producer)
-                self.pairings[producer] = self.pairings.get(producer, 0) + 1
+                self.pairings[producer] = 1
 
     def _post(self, url: str, message, kind):
         r = self._client.post(url, content=msgspec.json.encode(message),
@@ -192,27 +188,24 @@ class DecodeBackend(EngineFacts):
         return msgspec.json.decode(r.content, type=kind) if kind is not None else None
 
     def _take_results(self, *, wait: bool) -> list[TokenOutput]:
+        """Settle every exchange answered so far (waiting ``IDLE_WAIT_S`` for the first when
+        ``wait``)."""
         outputs = []
         try:
-            item = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
+            rid, answer = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
+            while True:
+                self.in_flight.discard(rid)
+                aborted = rid in self.aborted
+                self.aborted.discard(rid)
+                settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
+                if not aborted:  # an aborted one has ended already (its abort answered)
+                    outputs.append(settled)
+                rid, answer = self.results.get_nowait()
         except queue.Empty:
             return outputs
-        while item is not None:
-            rid, answer = item
-            self.in_flight.discard(rid)
-            aborted = rid in self.aborted
-            self.aborted.discard(rid)
-            settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
-            if not aborted:  # an aborted one has ended already (its abort answered)
-                outputs.append(settled)
-            try:
-                item = self.results.get_nowait()
-            except queue.Empty:
-                item = None
-        return outputs
 
 
-def add_decode_routes(app: FastAPI, card: InstanceCard, *, api_key: str | None, host: EngineHost) -> None:
+def add_decode_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:
     app.add_middleware(ProducerHeader)
     backend: DecodeBackend = host.backend
     host.metrics.count_pairings(backend.pairings)

@@ -15,15 +15,7 @@ import httpx
 import msgspec
 
 from pdflow.graph import CONSUMER, PRODUCER
-from pdflow.serve.pd_wire import (
-    CONSUMER_ROLE,
-    INSTANCE_PATH,
-    PRODUCER_ROLE,
-    InstanceCard,
-    RunGraphMismatch,
-    check_same_graph,
-    fingerprint,
-)
+from pdflow.serve.pd_wire import INSTANCE_PATH, InstanceCard, RunGraphMismatch, check_same_graph, fingerprint
 from pdflow.spec import RunSpec
 from pdflow.spec.errors import ConfigError
 
@@ -36,35 +28,34 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     from pdflow.engine.llm_engine import LLMEngine
     from pdflow.serve.admission import policy_of
     from pdflow.serve.api import EngineHost, create_app
+    from pdflow.serve.engine_loop import EngineLoop
 
     role = spec.serve.role
     if spec.mode != "pd":
         raise ConfigError(f"serve.role={role} serves one side of a P/D run graph, but mode={spec.mode}; "
                           "use mode=pd (or serve.role=deployment for a monolithic instance)")
-    engine = LLMEngine(Instance(spec, PRODUCER if role == PRODUCER_ROLE else CONSUMER))
+    engine = LLMEngine(Instance(spec, role))  # serve.role names the graph's side: prefill or decode
     stack.callback(engine.shutdown)  # also when the backend below fails to start
     print_ = fingerprint(spec)
     card = InstanceCard(role=role, model=model_name, fingerprint=print_, max_model_len=engine.max_model_len)
-    if role == PRODUCER_ROLE:
-        from pdflow.serve.pd_prefill import PrefillBackend, add_prefill_routes
+    if role == PRODUCER:
+        from pdflow.serve.pd_prefill import PrefillBackend
+        from pdflow.serve.pd_prefill import add_prefill_routes as add_routes
 
-        host = EngineHost(PrefillBackend(engine), admission=policy_of(spec.serve))
+        backend, loop = PrefillBackend(engine), EngineLoop
     else:
-        from pdflow.serve.pd_decode import DecodeBackend, PairingLoop
+        from pdflow.serve.pd_decode import DecodeBackend
+        from pdflow.serve.pd_decode import PairingLoop as loop
+        from pdflow.serve.pd_decode import add_decode_routes as add_routes
 
         backend = DecodeBackend(engine, fingerprint=print_, api_key=api_key, timeout_s=EXCHANGE_TIMEOUT_S)
         stack.callback(backend.shutdown)
-        host = EngineHost(backend, admission=policy_of(spec.serve), loop=PairingLoop)
+    host = EngineHost(backend, admission=policy_of(spec.serve), loop=loop)
     host.start()
     stack.callback(host.stop)
     app = create_app(host, model_name=model_name, api_key=api_key, request_timeout_s=spec.serve.request_timeout_s,
                      max_body_bytes=spec.serve.max_body_bytes)
-    if role == PRODUCER_ROLE:
-        add_prefill_routes(app, host, card, api_key=api_key)
-    else:
-        from pdflow.serve.pd_decode import add_decode_routes
-
-        add_decode_routes(app, card, api_key=api_key, host=host)
+    add_routes(app, host, card, api_key=api_key)
     return app
 
 
@@ -83,7 +74,7 @@ def instance_card(url: str, *, api_key: str | None, timeout: float) -> InstanceC
 def check_instances(prefill: list[str], decode: list[str], *, api_key: str | None, timeout: float) -> None:
     """Refuse (``RunGraphMismatch``) instances of the wrong role or of different graphs."""
     cards = {}
-    for urls, role in ((prefill, PRODUCER_ROLE), (decode, CONSUMER_ROLE)):
+    for urls, role in ((prefill, PRODUCER), (decode, CONSUMER)):
         for url in urls:
             card = instance_card(url.rstrip("/"), api_key=api_key, timeout=timeout)
             if card.role != role:

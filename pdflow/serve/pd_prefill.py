@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -65,12 +64,11 @@ class PrefillBackend(EngineFacts):
         self.consumers: dict[str, list[KVEndpoint]] = {}
         self.paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # ranks paired, per consumer id (/metrics)
-        # Remote prefills not yet in the engine (handed over on the engine thread): (id, job, sampling).
-        self.pending: deque[tuple[str, RemotePrefill, SamplingParams]] = deque()
+        # Outputs of the steps a pairing collected (``LLMEngine.pair``), for the next ``step``.
+        self._collected: list[TokenOutput] = []
         self.remote: set[str] = set()  # in the engine, answer not yet taken
         self.answers: dict[str, PrefillAnswer] = {}
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
-        self._failed: list[TokenOutput] = []
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
 
@@ -79,28 +77,20 @@ class PrefillBackend(EngineFacts):
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
         rid = f"p{next(self._ids)}"
         if isinstance(prompt_token_ids, RemotePrompt):
-            if len(prompt_token_ids) >= self.max_model_len:
-                raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room under "
-                                 f"max_model_len {self.max_model_len}")
-            self.pending.append((rid, prompt_token_ids.job, sampling))
+            self._add_remote(rid, prompt_token_ids.job, sampling)
         else:
             self.engine.add_request(list(prompt_token_ids), sampling, rid)
         return rid
 
     def abort(self, request_id: str) -> bool:
-        for item in self.pending:
-            if item[0] == request_id:
-                self.pending.remove(item)
-                return True
         self.remote.discard(request_id)
         return self.engine.abort(request_id)
 
     def step(self) -> list[TokenOutput]:
-        stepped = self._admit_remote()
-        outputs, self._failed = self._failed, []
+        stepped, self._collected = self._collected, []
         if self.engine.has_unfinished():
             stepped += self._draft_counts.keep(self.engine.step())
-        elif not outputs and not stepped:
+        elif not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
         for out in stepped:
             if out.request_id in self.remote:
@@ -109,7 +99,7 @@ class PrefillBackend(EngineFacts):
                 self.answers[out.request_id] = PrefillAnswer(
                     first=out, error=failed and f"KV transfer failed: {failed}")
                 self.prefills += failed is None
-        return outputs + stepped
+        return stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         return self._draft_counts.pop(request_id)
@@ -119,42 +109,27 @@ class PrefillBackend(EngineFacts):
 
     # -- remote prefills ---------------------------------------------------------------
 
-    def _admit_remote(self) -> list[TokenOutput]:
-        """Hand the remote prefills to the engine, pairing with a consumer the first time
-        one names it; the outputs of the steps collected before a pairing."""
-        outputs = []
-        while self.pending:
-            rid, job, sampling = self.pending.popleft()
-            cid = job.consumer_id
-            if cid not in self.paired:
-                endpoints = self.consumers.get(cid)
-                if endpoints is None:
-                    self._fail(rid, f"consumer {cid} has not paired with this prefill instance "
-                               f"(POST {PAIR_PATH} first)")
-                    continue
-                try:
-                    outputs += self.engine.pair(endpoints, cid)
-                except PairingRefused as err:
-                    if self.consumers.get(cid) is endpoints:
-                        self.consumers.pop(cid, None)
-                    self._fail(rid, f"pairing refused: {err}")
-                    continue
-                self.paired.add(cid)
-                self.pairings[cid] = self.pairings.get(cid, 0) + 1
-            target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid, first_block=job.first_block)
+    def _add_remote(self, rid: str, job: RemotePrefill, sampling: SamplingParams) -> None:
+        """Hand a remote prefill to the engine, pairing with its consumer the first time one
+        names it; a refusal (an unknown consumer, a refused pairing, a refused prompt) is a
+        ``ValueError``: the prefill route answers it as the job's error."""
+        cid = job.consumer_id
+        if cid not in self.paired:
+            endpoints = self.consumers.get(cid)
+            if endpoints is None:
+                raise ValueError(f"consumer {cid} has not paired with this prefill instance (POST {PAIR_PATH} first)")
             try:
-                self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1),
-                                        rid, kv_target=target)
-            except ValueError as err:
-                self._fail(rid, str(err))
-                continue
-            self.remote.add(rid)
-        return outputs
-
-    def _fail(self, rid: str, why: str) -> None:
-        self.answers[rid] = PrefillAnswer(error=why)
-        self._failed.append(TokenOutput(request_id=rid, index=0, token_id=-1, logprob=0.0, finished=True,
-                                        finish_reason="error", error=why))
+                self._collected += self.engine.pair(endpoints, cid)
+            except PairingRefused as err:
+                if self.consumers.get(cid) is endpoints:
+                    self.consumers.pop(cid, None)
+                raise ValueError(f"pairing refused: {err}") from None
+            self.paired.add(cid)
+            self.pairings[cid] = self.pairings.get(cid, 0) + 1
+        target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid, first_block=job.first_block)
+        self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1), rid,
+                                kv_target=target)
+        self.remote.add(rid)
 
 
 def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:

@@ -30,7 +30,6 @@ from pdflow.spec import RunSpec
 
 PREFILL_HEADER = "x-pdflow-prefill"
 INSTANCE_PATH, PAIR_PATH, PREFILL_PATH = "/pdflow/instance", "/pdflow/pair", "/pdflow/prefill"
-PRODUCER_ROLE, CONSUMER_ROLE = "prefill", "decode"
 
 
 class RunGraphMismatch(RuntimeError):

@@ -134,36 +134,26 @@ def create_router(backends: list[str], *, api_key: str | None = None,
 
     async def relay(backend: str, answer: httpx.Response, done: Callable[[], None]) -> Response:
         """The backend's answer; ``done`` once it has been read to the end (or failed)."""
+        media = answer.headers.get("content-type", "application/json")
+        if answer.status_code < 500 and media.startswith("text/event-stream"):
+            metrics.count(backend, "ok")
+            return StreamingResponse(stream_through(backend, answer, done), status_code=answer.status_code,
+                                     media_type=media, headers={"Cache-Control": "no-cache"})
         try:
-            reply = await relay_of(backend, answer, done)
-        except BaseException:
-            done()
-            raise
-        if not isinstance(reply, StreamingResponse):
-            done()
-        return reply
-
-    async def relay_of(backend: str, answer: httpx.Response, done: Callable[[], None]) -> Response:
-        if answer.status_code == 503 and "retry-after" in answer.headers:
             content = await answer.aread()
             await answer.aclose()
+        finally:
+            done()
+        if answer.status_code == 503 and "retry-after" in answer.headers:
             metrics.count(backend, "overloaded")
             return Response(content, status_code=503, media_type=answer.headers.get("content-type"),
                             headers={"Retry-After": answer.headers["retry-after"]})
         if answer.status_code >= 500:
-            text = (await answer.aread()).decode(errors="replace")[:500]
-            await answer.aclose()
             metrics.count(backend, "failed")
-            raise APIError(502, f"backend {backend} answered {answer.status_code}: {text}", code="backend_error")
-        media = answer.headers.get("content-type", "application/json")
-        if not media.startswith("text/event-stream"):
-            content = await answer.aread()
-            await answer.aclose()
-            metrics.count(backend, "ok" if answer.status_code < 400 else "rejected")
-            return Response(content, status_code=answer.status_code, media_type=media)
-        metrics.count(backend, "ok")
-        return StreamingResponse(stream_through(backend, answer, done), status_code=answer.status_code,
-                                 media_type=media, headers={"Cache-Control": "no-cache"})
+            raise APIError(502, f"backend {backend} answered {answer.status_code}: "
+                           f"{content.decode(errors='replace')[:500]}", code="backend_error")
+        metrics.count(backend, "ok" if answer.status_code < 400 else "rejected")
+        return Response(content, status_code=answer.status_code, media_type=media)
 
     async def stream_through(backend: str, answer: httpx.Response, done: Callable[[], None]) -> AsyncIterator[bytes]:
         """Bytes as they come; a cut stream ends with an error event instead of [DONE].

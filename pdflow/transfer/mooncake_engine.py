@@ -152,17 +152,17 @@ class MooncakeTransport:
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(self, peer: str, descriptors: Descriptors, *, timeout_s: float | None = None) -> None:
+    def write(self, peer: str, descriptors: Descriptors) -> None:
         """Write every descriptor to ``peer`` (a session id) on its lane, off the caller's
-        thread; raises ``TransferError`` on a persistent failure or at the deadline (the
-        lane's watchdog settles it then, even while the engine's call blocks)."""
-        deadline = time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
+        thread; raises ``TransferError`` on a persistent failure or at the deadline (even
+        while the engine's call still blocks on the lane)."""
+        deadline = time.monotonic() + self.spec.timeout_s
 
         def job(d: float) -> None:
             for src, dst, length in descriptors.batches(self.spec.descriptor_batch):
                 self._write_batch(peer, src, dst, length, d)
 
-        self._lanes.submit(peer, job, deadline=deadline, what="write").result()
+        self._lanes.run(peer, job, deadline=deadline, what="write")
 
     def _write_batch(self, peer: str, src: list[int], dst: list[int], length: list[int], deadline: float) -> None:
         rc = None
