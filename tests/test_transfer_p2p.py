@@ -340,6 +340,37 @@ def test_a_consumer_that_cannot_set_up_the_pair_says_why(graph_of):
         listener.close()
 
 
+def test_a_set_up_that_fails_after_the_answer_closes_the_connection(graph_of, monkeypatch):
+    """An error past the consumer's answer that is not a TransferError (a mapping, a
+    buffer, a registration) used to leave the connection open: the consumer's session
+    then waited on a producer that had given the pair up. Now the producer's end closes
+    it and the consumer's session ends."""
+    graph = graph_of(*BASE, "prefill=pp2", "decode=tp2", "drafter=none")
+    caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
+    listener = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
+
+    def broken(buf):
+        raise RuntimeError("a buffer that cannot be split")
+
+    monkeypatch.setattr(p2p, "two_halves", broken)
+    try:
+        prod = producer_caches_of(graph, NUM_BLOCKS)[0]
+        cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)
+        with pytest.raises(RuntimeError, match="cannot be split") as failed:
+            P2PPeer(pairing=PAIRING, address=listener.address, consumer_device="cpu", plan=cut.over(set(prod)),
+                    caches=prod, dst_block_bytes={u.name: u.bytes_per_block for u in graph.rank(CONSUMER, 0).units},
+                    producer_rank=0, spec=graph.spec.transfer)
+        # The error is kept (as a pair that fails to pair again keeps living): its traceback
+        # holds the half-made peer, so garbage collection closes nothing; only the peer does.
+        deadline = time.monotonic() + 20
+        while listener._sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not listener._sessions, "the consumer's session still waits on a pair the producer gave up"
+        assert failed.value is not None
+    finally:
+        listener.close()
+
+
 def test_a_failed_pair_is_a_named_refusal_and_the_producer_rank_lives_on(graph_of):
     """Through the ranks' KV links: a consumer rank that cannot set a pair up makes the
     producer rank's pairing answer PAIRING_PEER_FAILED with the consumer's reason (the

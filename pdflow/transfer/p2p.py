@@ -128,6 +128,25 @@ class P2PPeer:
             self.conn.close()
             why = ready.refused if isinstance(ready, P2PReady) else f"answered {type(ready).__name__}"
             raise TransferError(f"consumer at {self.address} refused the pair: {why}")
+        try:
+            self._set_up(ready)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A set-up that failed part way (a mapping, a registration, a group: a
+        ``TransferError`` or any other error): the consumer's session sees the connection
+        close, and nothing made for the pair stays held."""
+        self.conn.close()
+        abort_group(self.group)
+        if self.host_base is not None:
+            self.transport.unregister(self.host_base)
+            self.host_base = None
+        self.buf = self.group = None
+
+    def _set_up(self, ready: P2PReady) -> None:
+        """The way this pair's bytes move, from the consumer's answer."""
         self.buffer_bytes = ready.buffer_bytes
         self.dst_table, self.group = None, None
         if self.mover == "peer":  # the consumer's caches, mapped here; written by one kernel per request
@@ -147,12 +166,8 @@ class P2PPeer:
             self.remote = (ready.session, ready.base)
         else:
             self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-            try:
-                self.group = pair_group(self.mover, ready.store_path, 1, self.timeout_s,
-                                        self.buf[:self.buffer_bytes // 2])
-            except TransferError:
-                self.conn.close()
-                raise
+            self.group = pair_group(self.mover, ready.store_path, 1, self.timeout_s,
+                                    self.buf[:self.buffer_bytes // 2])
             self.halves = two_halves(self.buf)  # ``_stream``'s two slots
             # The consumer's verdict on each request (``_verdict``), and its host copy.
             self.verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -166,7 +181,6 @@ class P2PPeer:
         """What the consumer rank of this process handed over under ``key``."""
         value = IN_PROCESS.get(key)
         if value is None:
-            self.conn.close()
             raise TransferError(f"consumer rank at {self.address} ended its session before this rank took its "
                                 "memory")
         return value
