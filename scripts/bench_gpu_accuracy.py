@@ -49,8 +49,8 @@ def layouts(n: int) -> dict[str, list[str]]:
     }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """The deployment and task options this script shares with bench_kv_fp8.py."""
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpus", type=int, default=4, help="n of PPn -> TPn (ranks per instance)")
     p.add_argument("--n", type=int, default=200, help="held-out arithmetic problems")
@@ -61,13 +61,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer", help="transfer config (default: nccl on cuda, mooncake_tcp on cpu)")
     p.add_argument("--memory", type=float, default=0.2, help="share of one GPU per instance (cuda)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def default_transfer(args: argparse.Namespace) -> argparse.Namespace:
+    args.transfer = args.transfer or ("nccl" if args.device == "cuda" else "mooncake_tcp")
+    return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_eval_args(p)
     p.add_argument("--rows", help="comma-separated row names to run (default: all)")
     p.add_argument("--mlflow", help="MLflow tracking URI: the table as a parent run, a child per row")
     p.add_argument("--out", help="folder: the table (markdown) and the raw numbers (JSON)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every deployment")
-    args = p.parse_args(argv)
-    args.transfer = args.transfer or ("nccl" if args.device == "cuda" else "mooncake_tcp")
-    return args
+    return default_transfer(p.parse_args(argv))
 
 
 def run_workload(d, workload, requests) -> tuple[dict, list]:

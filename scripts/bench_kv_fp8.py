@@ -29,21 +29,13 @@ FP8 = "model.kv_dtype=fp8_e4m3"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from bench_gpu_accuracy import add_eval_args, default_transfer
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--gpus", type=int, default=4, help="n of PPn -> TPn (ranks per instance)")
-    p.add_argument("--n", type=int, default=200, help="held-out arithmetic problems")
-    p.add_argument("--k-shot", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=320, help="arithmetic answer budget")
-    p.add_argument("--per-depth", type=int, default=10, help="retrieval facts per depth")
-    p.add_argument("--context-len", type=int, help="haystack tokens (default: max_model_len less the answer)")
-    p.add_argument("--transfer", help="transfer config (default: nccl on cuda, mooncake_tcp on cpu)")
-    p.add_argument("--memory", type=float, default=0.2, help="share of one GPU per instance (cuda)")
-    p.add_argument("--seed", type=int, default=0)
+    add_eval_args(p)
     p.add_argument("--out", help="folder: the table (markdown) and the raw numbers (JSON)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for both rows")
-    args = p.parse_args(argv)
-    args.transfer = args.transfer or ("nccl" if args.device == "cuda" else "mooncake_tcp")
+    args = default_transfer(p.parse_args(argv))
     args.mlflow = None
     return args
 
