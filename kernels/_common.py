@@ -115,11 +115,7 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     with the token-head's power-of-two scale (``row_ok``: the rows to read) when the cache
     is fp8."""
     x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
-    if QUANT == 2:  # scaled in DT: exact too (a power of two), half the registers of fp32
-        e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        x = x.to(tl.float32).to(DT) * scale.to(DT)[:, None]  # (16-bit math: not under the interpreter)
-    elif QUANT:
+    if QUANT:
         e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
         scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         x = (x.to(tl.float32) * scale[:, None]).to(DT)  # one return: compiled Triton wants one type

@@ -162,15 +162,13 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, dequant="fp32",
+    num_warps=None, num_stages=None, out=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
-    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8), applied
-    in fp32 (``dequant="fp32"``) or in q's dtype (``"native"``; both exact; the interpreter's
-    16-bit arithmetic is wrong, so it always takes fp32)."""
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -224,7 +222,7 @@ def paged_attention(
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
-        QUANT=(2 if dequant == "native" and not interpreting(q) else 1) if quant else 0,
+        QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

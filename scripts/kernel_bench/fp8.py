@@ -78,8 +78,6 @@ def check_fp8(run) -> None:
             want = ref.decode_attention(q.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
             got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
             check_close(run, f"fp8 decode page{page} splits{splits}", got, want, DT)
-            got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits, dequant="native")
-            check_close(run, f"fp8 decode page{page} splits{splits} dequant=native", got, want, DT)
         kb = 4
         qb = T.randn(len(lens), kb, hq, d, dtype=DT, device=dev)
         xk, xv = (T.randn(len(lens), kb, hkv, d, dtype=DT, device=dev) for _ in range(2))
@@ -107,13 +105,11 @@ def bench_fp8(run) -> None:
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
-                for block_n, warps, stages, deq in ((64, 4, 4, "fp32"), (128, 4, 4, "native"),
-                                                    (64, 4, 4, "native"), (128, 4, 3, "native"),
-                                                    (256, 8, 3, "native"), (128, 8, 4, "native")):
+                for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
-                                 num_warps=warps, num_stages=stages, dequant=deq)
+                                 num_warps=warps, num_stages=stages)
                     alt = run.time_ms(fn)
-                    tile = f"bn{block_n} w{warps} st{stages} {deq}"
+                    tile = f"bn{block_n} w{warps} st{stages}"
                     run.add(f"decode triton fp8 kv {tile}", f"B{b} ctx{ctx} page{page}", alt,
                             nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                             note="vs_baseline: the default tiles")
