@@ -93,29 +93,39 @@ def run_workload(d, workload, requests) -> tuple[dict, list]:
     return metrics, outs
 
 
+def run_tasks(d, args) -> dict:
+    """Arithmetic then retrieval on a running deployment: each task's metrics and outputs,
+    and the haystack length used."""
+    from pdflow.bench.workloads.tasks import NEEDLE_MAX_TOKENS, ArithWorkload, NeedleWorkload
+    from pdflow.spec import WorkloadSpec
+
+    arith = ArithWorkload(WorkloadSpec(kind="arith", num_requests=args.n, k_shot=args.k_shot, seed=1234,
+                                       max_tokens=args.max_tokens, context_len=2048))
+    context = args.context_len or d.max_model_len - NEEDLE_MAX_TOKENS
+    needle = NeedleWorkload(WorkloadSpec(kind="needle", num_requests=args.per_depth, context_len=context,
+                                         seed=1234))
+    arith_metrics, arith_outs = run_workload(d, arith, arith.requests())
+    needle_metrics, needle_outs = run_workload(d, needle, needle.requests())
+    return dict(arith=arith_metrics, arith_outs=arith_outs, needle=needle_metrics, needle_outs=needle_outs,
+                context_len=context)
+
+
 def measure(overrides: list[str], args) -> dict:
     """One row: arithmetic then retrieval on one deployment."""
     from pdflow import Deployment, compose
-    from pdflow.bench.workloads.tasks import NEEDLE_MAX_TOKENS, ArithWorkload, NeedleWorkload
-    from pdflow.spec import WorkloadSpec
 
     start = time.perf_counter()
     with Deployment(compose(overrides)) as d:
         up = time.perf_counter()
-        arith = ArithWorkload(WorkloadSpec(kind="arith", num_requests=args.n, k_shot=args.k_shot, seed=1234,
-                                           max_tokens=args.max_tokens, context_len=2048))
-        context = args.context_len or d.max_model_len - NEEDLE_MAX_TOKENS
-        needle = NeedleWorkload(WorkloadSpec(kind="needle", num_requests=args.per_depth, context_len=context,
-                                             seed=1234))
-        arith_metrics, arith_outs = run_workload(d, arith, arith.requests())
-        needle_metrics, needle_outs = run_workload(d, needle, needle.requests())
+        ran = run_tasks(d, args)
         leaked = {role: e.num_kv_blocks - d.free_kv_blocks()[role]
                   for role, e in (("prefill", d.producer), ("decode", d.consumer)) if e is not None}
+    arith_outs, needle_outs = ran["arith_outs"], ran["needle_outs"]
     drafted = sum(o.num_drafted for o in arith_outs)
     accepted = sum(o.num_accepted for o in arith_outs)
     steps = sum(o.num_verify_steps for o in arith_outs)
     return dict(
-        arith=arith_metrics, needle=needle_metrics, context_len=context,
+        arith=ran["arith"], needle=ran["needle"], context_len=ran["context_len"],
         acceptance=accepted / drafted if drafted else None,
         tokens_per_forward=(accepted + steps) / steps if steps else None, drafted=drafted,
         tokens=[o.token_ids for o in arith_outs + needle_outs],

@@ -42,27 +42,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def measure(overrides: list[str], args) -> dict:
     """One row: arithmetic then retrieval on one deployment, and its transfer counter."""
-    from bench_gpu_accuracy import run_workload
+    from bench_gpu_accuracy import run_tasks
 
     from pdflow import Deployment, compose
-    from pdflow.bench.workloads.tasks import NEEDLE_MAX_TOKENS, ArithWorkload, NeedleWorkload
     from pdflow.graph import build_graph
-    from pdflow.spec import WorkloadSpec
 
     spec = compose(overrides)
     start = time.perf_counter()
     with Deployment(spec) as d:
-        arith = ArithWorkload(WorkloadSpec(kind="arith", num_requests=args.n, k_shot=args.k_shot, seed=1234,
-                                           max_tokens=args.max_tokens, context_len=2048))
-        context = args.context_len or d.max_model_len - NEEDLE_MAX_TOKENS
-        needle = NeedleWorkload(WorkloadSpec(kind="needle", num_requests=args.per_depth, context_len=context,
-                                             seed=1234))
-        arith_metrics, arith_outs = run_workload(d, arith, arith.requests())
-        needle_metrics, needle_outs = run_workload(d, needle, needle.requests())
+        ran = run_tasks(d, args)
         moved, blocks = d.producer.kv_bytes_sent, d.producer.kv_blocks_sent
+    arith_outs, needle_outs = ran["arith_outs"], ran["needle_outs"]
     drafted = sum(o.num_drafted for o in arith_outs)
     accepted = sum(o.num_accepted for o in arith_outs)
-    return dict(arith=arith_metrics, needle=needle_metrics, context_len=context,
+    return dict(arith=ran["arith"], needle=ran["needle"], context_len=ran["context_len"],
                 acceptance=accepted / drafted if drafted else None, drafted=drafted,
                 errors=[o.error for o in arith_outs + needle_outs if o.error][:3],
                 kv_bytes_moved=moved, kv_blocks_landed=blocks,
