@@ -61,7 +61,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     kernel = kernel_for(q, k_cache, v_cache)
     if kernel == "gluon":
         try:
-            return prefill_attention_gluon(*args, max_seqlen_q=max_seqlen_q, out=out)
+            return prefill_attention_gluon(*args, max_seqlen_q=max_seqlen_q, out=out, checked=True)
         except Exception as exc:  # Gluon is experimental: a triton that cannot build it
             _GLUON_BROKEN.add(str(q.device))  # must cost speed, not the request
             warnings.warn(f"Gluon prefill failed on {q.device} ({type(exc).__name__}: "

@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - older triton
     gluon = None
 
 from ._common import LOG2E, interpreting, prefill_shapes, prefill_tile, sm_count
+from .fast_launch import FastLaunch
 
 __all__ = ["gluon_available", "gluon_applies", "prefill_attention_gluon"]
 
@@ -349,10 +350,15 @@ def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
             and q.data_ptr() % 16 == 0 and (q.stride(0) * 2) % 16 == 0)
 
 
+@functools.lru_cache(maxsize=8)
+def _smem_layout(d: int):
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], gl.bfloat16)  # BLOCK_M == BLOCK_N
+
+
 def _descriptors(q, k_cache, v_cache):
     t, h_q, d = q.shape
     nb, _, h_kv, page, _ = k_cache.shape
-    lay = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], gl.bfloat16)  # BLOCK_M == BLOCK_N
+    lay = _smem_layout(d)
     q_desc = GluonDescriptor(q, [t, h_q * d], [q.stride(0), 1], [BLOCK_M, d], lay)
     rows = [nb * h_kv * page, d]
     k_desc = GluonDescriptor(k_cache, rows, [d, 1], [BLOCK_N, d], lay)
@@ -360,13 +366,18 @@ def _descriptors(q, k_cache, v_cache):
     return q_desc, k_desc, v_desc
 
 
+_launch: FastLaunch | None = None  # built on first use (never under the interpreter)
+
+
 def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             *, max_seqlen_q=None, out=None, stages=STAGES, pingpong=PINGPONG,
-                            persistent=PERSISTENT):
-    """Same contract as ``prefill_attention``; needs ``gluon_applies(q, k_cache, v_cache)``.
-    ``persistent``: one program per SM walks the work items (heaviest first) round robin,
-    so a program's next Q and K/V load while it stores the last output."""
-    if not gluon_applies(q, k_cache, v_cache):
+                            persistent=PERSISTENT, checked=False):
+    """Same contract as ``prefill_attention``; needs ``gluon_applies(q, k_cache, v_cache)``
+    (``checked``: the caller just asked it). ``persistent``: one program per SM walks the
+    work items (heaviest first) round robin, so a program's next Q and K/V load while it
+    stores the last output."""
+    global _launch
+    if not checked and not gluon_applies(q, k_cache, v_cache):
         raise ValueError("prefill_attention_gluon: needs Hopper, bf16, d64/d128, page-128 blocks "
                          "(check gluon_applies first)")
     t, h_q, d, _, h_kv, page, bsz, max_seqlen_q, _, _ = prefill_shapes(
@@ -380,11 +391,11 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     n_work = n_m * bsz * h_q
     nprog = min(n_work, sm_count(q.device, cpu=132)) if persistent else n_work
     q_desc, k_desc, v_desc = _descriptors(q, k_cache, v_cache)
-    _prefill_gluon_kernel[(nprog,)](
+    if _launch is None:
+        _launch = FastLaunch(_prefill_gluon_kernel)
+    _launch(q.device.index, (nprog,), (
         q_desc, k_desc, v_desc, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_q, n_m, n_work, nprog, out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        H_Q=h_q, H_KV=h_kv, D=d, PAGE=page, BM=BLOCK_M, BN=BLOCK_N, NS=stages,
-        PINGPONG=bool(pingpong), num_warps=4,
-    )
+        block_tables.stride(0), h_q, h_kv, d, page, BLOCK_M, BLOCK_N, stages, bool(pingpong),
+    ), {"num_warps": 4})
     return out

@@ -60,3 +60,19 @@ def test_refuses_what_it_cannot_run():
     assert not PG.gluon_applies(q48, kc48, vc48)
     with pytest.raises(ValueError, match="page-128"):
         PG.prefill_attention_gluon(q, kc16, vc16, None, None, None, 1.0)
+
+
+def test_launches_again_without_binding_and_stays_exact():
+    """The kernel is launched through ``FastLaunch`` (kernels/fast_launch.py): shapes
+    alternating between one query tile (n_m == 1, compiled in as a constant) and several
+    must each get their own compiled kernel, and a shape seen before must not bind again."""
+    cases = [([300, 40], [300, 40]), ([100], [100]), ([900, 7], [600, 7]), ([64, 64], [64, 64])]
+    compiled = []
+    for _ in range(2):
+        for lens, qlens in cases:
+            args = _inputs(lens, qlens, 16, 4, seed=len(lens))
+            got = PG.prefill_attention_gluon(*args, 128**-0.5)
+            want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], 128**-0.5)
+            assert T.rel_err(got, want) < 1e-2, (lens, qlens)
+        compiled.append(dict(PG._launch.compiled))
+    assert compiled[0] == compiled[1] and len(compiled[0]) >= 2

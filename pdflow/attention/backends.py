@@ -26,8 +26,8 @@ class AttentionBackend(Protocol):
 
     def prefill_attention(
         self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
-        max_seqlen_q: int | None = None, k_scale=None, v_scale=None,
-    ) -> Any: ...
+        max_seqlen_q: int | None = None, k_scale=None, v_scale=None, out=None,
+    ) -> Any: ...  # ``out``: the [T, H_q, D] tensor to write and return (None: a new one)
 
     def decode_attention(self, q, k_cache, v_cache, context_lens, block_tables, scale,
                          k_scale=None, v_scale=None) -> Any: ...

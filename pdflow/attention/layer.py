@@ -29,9 +29,11 @@ class PagedAttention(nn.Module):
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def forward(self, q, k, v, meta: AttentionMetadata, *, kv_stored: bool = False) -> torch.Tensor:
+    def forward(self, q, k, v, meta: AttentionMetadata, *, kv_stored: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]. ``kv_stored``: the caller
-        already wrote this step's K/V to the bound caches (the model's fused RoPE kernel)."""
+        already wrote this step's K/V to the bound caches (the model's fused RoPE kernel).
+        ``out``: a [T, H_q, D] tensor to write the result into (and return)."""
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer} has no KV cache bound (KVCacheBinding.bind)")
         b = self.backend
@@ -39,11 +41,12 @@ class PagedAttention(nn.Module):
         if not kv_stored:
             b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         if meta.decode_only:
-            return b.decode_attention(
+            res = b.decode_attention(
                 q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, self.scale,
                 **scales,
             )
+            return res if out is None else out.copy_(res)
         return b.prefill_attention(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
-            meta.block_tables, self.scale, max_seqlen_q=meta.max_seqlen_q, **scales,
+            meta.block_tables, self.scale, max_seqlen_q=meta.max_seqlen_q, out=out, **scales,
         )

@@ -136,10 +136,17 @@ class TorchBackend:
         return out.view(b, h_q, d).to(q.dtype)
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                          scale, *, max_seqlen_q=None, k_scale=None, v_scale=None):
+                          scale, *, max_seqlen_q=None, k_scale=None, v_scale=None, out=None):
         """Causal attention of each sequence's new tokens over its whole paged context
         (prefix-cache hits, chunked prefill, verify chunks); chunk K/V already stored.
-        ``max_seqlen_q`` is not needed here (the per-step plan reads the lengths once)."""
+        ``max_seqlen_q`` is not needed here (the per-step plan reads the lengths once).
+        ``out``: written and returned (the triton backend's kernels write into it)."""
+        res = self._prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                      scale, k_scale, v_scale)
+        return res if out is None else out.copy_(res)
+
+    def _prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                           scale, k_scale, v_scale):
         if q.shape[0] == 0 or not self._contiguous(k_cache, v_cache, k_scale, v_scale):
             return reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
                                                block_tables, scale, k_scale, v_scale)

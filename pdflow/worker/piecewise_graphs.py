@@ -185,10 +185,12 @@ class PiecewiseGraphRunner:
         if self.taps_in is not None:
             self.taps_in[:t].copy_(taps_in)
         self._piece(tb, 0)
+        # Every layer's q/k/v live in the same static buffers: one set of views a step,
+        # and the attention writes straight into the next piece's input.
+        q, k, v, stored = self.views[tb]
+        q, k, v, out = q[:t], k[:t], v[:t], self.attn_out[:t]
         for i, (_, layer) in enumerate(self.layers):
-            q, k, v, stored = self.views[tb]
-            out = layer.self_attn.attn(q[:t], k[:t], v[:t], meta, kv_stored=stored)
-            self.attn_out[:t].copy_(out.view(t, *self.attn_out.shape[1:]))
+            layer.self_attn.attn(q, k, v, meta, kv_stored=stored, out=out)
             self._piece(tb, i + 1)
         self.replays += 1
         hidden, taps = self.outputs[tb]
