@@ -64,3 +64,18 @@ def test_api_servers_on_a_role_without_fronts_is_refused_at_compose_time(role):
 def test_a_policy_that_makes_no_sense_is_refused():
     with pytest.raises(ValueError, match="queue_timeout_s"):
         AdmissionPolicy(queue_timeout_s=0)
+
+
+def test_the_engine_core_leaves_the_api_fronts_their_cores():
+    """On 2 cores a CPU engine core with 2 torch threads waited on whichever thread a front
+    had preempted (decode steps 50% slower served than offline): by default it takes the
+    cores less one per front; a number sets it; a negative one is refused."""
+    from pdflow import compose
+    from pdflow.spec.errors import ConfigError
+
+    assert compose([]).serve.core_threads_on(2) == 1
+    assert compose(["serve.api_servers=2"]).serve.core_threads_on(16) == 14
+    assert compose(["serve.api_servers=2"]).serve.core_threads_on(2) == 1
+    assert compose(["serve.core_threads=3"]).serve.core_threads_on(2) == 3
+    with pytest.raises(ConfigError, match="core_threads"):
+        compose(["serve.core_threads=-1"])

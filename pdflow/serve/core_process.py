@@ -145,6 +145,9 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(address)
+    import torch
+
+    torch.set_num_threads(spec.serve.core_threads_on(os.cpu_count() or 1))
     deployment = Deployment(spec)
     for engine in (deployment.producer, deployment.consumer):
         if engine is not None:

@@ -159,6 +159,11 @@ class ServeSpec:
     # API front processes (HTTP, tokenization, detokenization, SSE) sharing the listening
     # socket in front of the one engine-core process (role=deployment).
     api_servers: int = 1
+    # torch threads of the engine-core process (what a CPU instance in it computes with);
+    # 0: the host's cores less one per API front, at least 1. On 2 cores the core's two
+    # threads waited on whichever one a front had preempted: decode steps 50% slower
+    # served than offline (bench/RESULTS.md, issue 30, CPU).
+    core_threads: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -189,6 +194,13 @@ class ServeSpec:
                              f"engine-core process; {what} serves from one process (set serve.api_servers=1)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("serve.request_timeout_s must be positive (or null: no limit)")
+        if self.core_threads < 0:
+            raise ValueError(f"serve.core_threads must be >= 0 (0: the cores less the API fronts), "
+                             f"got {self.core_threads}")
+
+    def core_threads_on(self, cores: int) -> int:
+        """The engine-core process's torch threads on a host of ``cores`` cores."""
+        return self.core_threads or max(1, cores - self.api_servers)
 
 
 @dataclass(kw_only=True, slots=True)
