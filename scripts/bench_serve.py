@@ -167,8 +167,11 @@ def report(args, offline_tokens: int, offline_s: float, results: list, served_s:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
     itl = [gap for r in results for gap in r.itl_s]
-    print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, {platform.processor() or platform.machine()}, "
-          f"{__import__('os').cpu_count()} CPUs, commit {commit}")
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, commit {commit}")
     print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
           f"concurrency {args.concurrency}, client processes {args.client_procs or client_procs_for(args.concurrency)}")
     print(f"offline              : {offline_tokens / offline_s:8.1f} output tok/s ({offline_s:.2f} s)")
