@@ -122,6 +122,34 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     return x
 
 
+@triton.jit
+def tile_scales(s_ptr, bt_row_ptr, n0, end, ok, kvh, s_sb, s_sp, s_sh, PAGE: tl.constexpr,
+                PPB: tl.constexpr, BLOCK_N: tl.constexpr, SW: tl.constexpr):
+    """[BLOCK_N] fp32 scales 2^(e - 127) of tokens ``n0..`` (a multiple of ``SW``) of KV
+    head ``kvh``, 1.0 where not ``ok``. An fp8 cache's scales are one byte per token-head,
+    contiguous along a page's tokens: read as rows of ``SW = min(PAGE, BLOCK_N)`` bytes
+    (one page's run each), so the loads vectorize and the pipeliner can issue them ahead,
+    where one byte per token (``load_kv``) is a synchronous load every tile. Rows past
+    ``end`` read block 0 (in bounds); their scales are replaced by 1.0."""
+    R: tl.constexpr = BLOCK_N // SW
+    row_pos = n0 + tl.arange(0, R) * SW
+    blk = tl.load(bt_row_ptr + row_pos // (PAGE * PPB), mask=row_pos < end, other=0).to(tl.int64)
+    off = row_pos % (PAGE * PPB)
+    base = tl.multiple_of(blk * s_sb + (off // PAGE) * s_sp + kvh * s_sh + off % PAGE, SW)
+    e = tl.load(s_ptr + base[:, None] + tl.arange(0, SW)[None, :])
+    scale = tl.reshape((e.to(tl.int32) << 23).to(tl.float32, bitcast=True), [BLOCK_N])
+    return tl.where(ok, scale, 1.0)
+
+
+@triton.jit
+def load_scaled(c_ptr, tok, d, mask, scale, QUANT: tl.constexpr, DT: tl.constexpr):
+    """``load_kv`` with the tile's scales already read (``tile_scales``)."""
+    x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
+    if QUANT:
+        x = (x.to(tl.float32) * scale[:, None]).to(DT)
+    return x
+
+
 def kv_scales(k_cache, k_scale, v_scale, placeholder):
     """(quant, k_scale, v_scale) for a launch: an fp8 cache's scale caches checked
     ([..., page, 1], contiguous like the cache), else ``placeholder`` for both pointers."""

@@ -31,6 +31,7 @@ from ._common import (
     mma,
     page_offsets,
     sm_count,
+    tile_scales,
 )
 from .reference import decode_attention as decode_attention_reference
 
@@ -51,6 +52,24 @@ def _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
     return m_new, l_i, acc
 
 
+@triton.jit
+def _online_step_fp8(q, k_t, v, sk, sv, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """``_online_step`` over an fp8 tile: ``k_t`` [D, N] and ``v`` [N, D] only converted
+    (e4m3 is exact in 16 bits), their power-of-two scales ``sk``/``sv`` [N] applied to the
+    score and p columns instead of every element: the same products, since scaling by a
+    power of two is exact in fp32 and commutes with rounding to 16 bits. K comes already
+    transposed (loaded as [D, N]), so no 8-bit transpose goes through shared memory."""
+    s = mma(q, k_t, DOT_PREC, UPCAST) * (sk * scale_log2)[None, :]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma((p * sv[None, :]).to(v.dtype), v, DOT_PREC, UPCAST)
+    return m_new, l_i, acc
+
+
 # The block table's row stride grows with the longest context in a step: specialized on
 # (1, a multiple of 16, other) it would compile anew inside requests that no warm-up step
 # foresaw; it only indexes scalar loads, so it is not specialized.
@@ -61,6 +80,7 @@ def _paged_split_kernel(
     s_qb, s_qm, s_qh,
     s_xb, s_xm, s_xh,
     s_cb, s_cp, s_ch, s_ct,
+    s_sb, s_sp, s_sh,
     s_bt,
     s_ob, s_os, s_om, s_oh,
     s_mb, s_ms, s_mm, s_mh,
@@ -69,6 +89,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+    SW: tl.constexpr, F8_COLUMNS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -98,9 +119,19 @@ def _paged_split_kernel(
         ok = pos < end
         tok = page_offsets(bt_ptr + b * s_bt, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
-        m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+        if F8_COLUMNS:
+            sk = tile_scales(ks_ptr, bt_ptr + b * s_bt, n0, end, ok, kvh, s_sb, s_sp, s_sh,
+                             PAGE, PPB, BLOCK_N, SW)
+            sv = tile_scales(vs_ptr, bt_ptr + b * s_bt, n0, end, ok, kvh, s_sb, s_sp, s_sh,
+                             PAGE, PPB, BLOCK_N, SW)
+            k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
+            v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _online_step_fp8(q, k_t.to(q.dtype), v.to(q.dtype), sk, sv, ok, m_i, l_i,
+                                             acc, scale_log2, DOT_PREC, UPCAST)
+        else:
+            k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+            v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+            m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.
     if NX > 0:  # noqa: SIM102 (constexpr test: the block code is not compiled for decode)
@@ -162,13 +193,17 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None,
+    num_warps=None, num_stages=None, out=None, fp8_columns=False,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
-    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8)."""
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8).
+    ``fp8_columns``: the fp8 variant that converts tiles only (K loaded transposed) and
+    applies the scales to score and p columns, reading them a page row at a time
+    (``_online_step_fp8``, exact; compiled for sm_90 its K tile no longer shuffles
+    through shared memory; not yet measured on the GPU: off by default)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -215,6 +250,7 @@ def paged_attention(
         q.stride(0), q.stride(1), q.stride(2),
         *x_strides,
         *k_cache.stride()[:4],
+        *(k_scale.stride()[:3] if quant else (0, 0, 0)),
         block_tables.stride(0),
         *o_strides,
         *ml_strides,
@@ -222,7 +258,7 @@ def paged_attention(
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
-        QUANT=quant,
+        QUANT=quant, SW=min(page, block_n), F8_COLUMNS=quant and fp8_columns,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

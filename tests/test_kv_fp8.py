@@ -153,15 +153,18 @@ def test_triton_store_bf16_input_writes_the_references_bytes():
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(splits):
+@pytest.mark.parametrize("columns", [False, True], ids=["dequant", "columns"])
+def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(splits, columns):
+    """Both fp8 variants (``fp8_columns``: scales on score/p columns, read a page row at a
+    time; tiles of 128 span pages of 16, so rows of the scale read cross pages)."""
     kc, vc, ks, vs = (c.to(DEV) for c in _filled())
     q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(5)).to(DEV)
     bt, lens = BT.to(DEV), LENS.to(DEV)
     want = ref.decode_attention(q.cpu(), *(c.cpu() for c in (kc, vc)), LENS, BT, 0.125, ks.cpu(), vs.cpu())
-    got = decode_attention(q, kc, vc, lens, bt, 0.125, ks, vs, num_splits=splits)
+    got = decode_attention(q, kc, vc, lens, bt, 0.125, ks, vs, num_splits=splits, fp8_columns=columns)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     wrong = decode_attention(q, kc, vc, lens, bt, 0.125, _other_heads(ks).contiguous(),
-                             _other_heads(vs).contiguous(), num_splits=splits)
+                             _other_heads(vs).contiguous(), num_splits=splits, fp8_columns=columns)
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
@@ -277,10 +280,13 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
         return float((x.double() - y.double()).norm() / y.double().norm())
 
     for splits in (1, 4):
-        assert rel(decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits), want_d) < 1e-2
-    wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
-                             _other_heads(vs).contiguous())
-    assert rel(wrong, want_d) > 5e-2
+        for columns in (False, True):
+            got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, fp8_columns=columns)
+            assert rel(got_d, want_d) < 1e-2, (splits, columns)
+    for columns in (False, True):
+        wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
+                                 _other_heads(vs).contiguous(), fp8_columns=columns)
+        assert rel(wrong, want_d) > 5e-2
     qb = torch.randn(5, 4, h_q, d, generator=gen).cuda().bfloat16()
     xk, xv = (torch.randn(5, 4, h_kv, d, generator=gen).cuda().bfloat16() for _ in range(2))
     want_b = ref.block_attention(qb.double(), xk.double(), xv.double(), kc, vc, lens, bt, d**-0.5, ks, vs)
