@@ -128,9 +128,9 @@ def tile_scales(s_ptr, bt_row_ptr, n0, end, ok, kvh, s_sb, s_sp, s_sh, PAGE: tl.
     """[BLOCK_N] fp32 scales 2^(e - 127) of tokens ``n0..`` (a multiple of ``SW``) of KV
     head ``kvh``, 1.0 where not ``ok``. An fp8 cache's scales are one byte per token-head,
     contiguous along a page's tokens: read as rows of ``SW = min(PAGE, BLOCK_N)`` bytes
-    (one page's run each), so the loads vectorize and the pipeliner can issue them ahead,
-    where one byte per token (``load_kv``) is a synchronous load every tile. Rows past
-    ``end`` read block 0 (in bounds); their scales are replaced by 1.0."""
+    (one page's run each) so the loads vectorize, where ``load_kv`` reads a byte per token
+    (both stay synchronous loads: a tile's scales are too few bytes for ``cp.async``). Rows
+    past ``end`` read block 0 (in bounds); their scales are replaced by 1.0."""
     R: tl.constexpr = BLOCK_N // SW
     row_pos = n0 + tl.arange(0, R) * SW
     blk = tl.load(bt_row_ptr + row_pos // (PAGE * PPB), mask=row_pos < end, other=0).to(tl.int64)
@@ -139,15 +139,6 @@ def tile_scales(s_ptr, bt_row_ptr, n0, end, ok, kvh, s_sb, s_sp, s_sh, PAGE: tl.
     e = tl.load(s_ptr + base[:, None] + tl.arange(0, SW)[None, :])
     scale = tl.reshape((e.to(tl.int32) << 23).to(tl.float32, bitcast=True), [BLOCK_N])
     return tl.where(ok, scale, 1.0)
-
-
-@triton.jit
-def load_scaled(c_ptr, tok, d, mask, scale, QUANT: tl.constexpr, DT: tl.constexpr):
-    """``load_kv`` with the tile's scales already read (``tile_scales``)."""
-    x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
-    if QUANT:
-        x = (x.to(tl.float32) * scale[:, None]).to(DT)
-    return x
 
 
 def kv_scales(k_cache, k_scale, v_scale, placeholder):
