@@ -123,20 +123,32 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
 
 
 @triton.jit
-def tile_scales(s_ptr, bt_row_ptr, n0, end, ok, kvh, s_sb, s_sp, s_sh, PAGE: tl.constexpr,
-                PPB: tl.constexpr, BLOCK_N: tl.constexpr, SW: tl.constexpr):
-    """[BLOCK_N] fp32 scales 2^(e - 127) of tokens ``n0..`` (a multiple of ``SW``) of KV
-    head ``kvh``, 1.0 where not ``ok``. An fp8 cache's scales are one byte per token-head,
-    contiguous along a page's tokens: read as rows of ``SW = min(PAGE, BLOCK_N)`` bytes
-    (one page's run each) so the loads vectorize, where ``load_kv`` reads a byte per token
-    (both stay synchronous loads: a tile's scales are too few bytes for ``cp.async``). Rows
-    past ``end`` read block 0 (in bounds); their scales are replaced by 1.0."""
-    R: tl.constexpr = BLOCK_N // SW
-    row_pos = n0 + tl.arange(0, R) * SW
-    blk = tl.load(bt_row_ptr + row_pos // (PAGE * PPB), mask=row_pos < end, other=0).to(tl.int64)
+def scale_rows(bt_row_ptr, n0, end, PAGE: tl.constexpr, PPB: tl.constexpr, BLOCK_N: tl.constexpr,
+               SW: tl.constexpr):
+    """The blocks of the ``BLOCK_N // SW`` page rows of tokens ``n0..`` (a multiple of
+    ``SW = min(PAGE, BLOCK_N)``) whose scale bytes ``row_scales`` reads; 0 (in bounds) for
+    rows at or past ``end``."""
+    row_pos = n0 + tl.arange(0, BLOCK_N // SW) * SW
+    return tl.load(bt_row_ptr + row_pos // (PAGE * PPB), mask=row_pos < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def row_scales(s_ptr, blk, n0, kvh, s_sb, s_sp, s_sh, PAGE: tl.constexpr, PPB: tl.constexpr,
+               BLOCK_N: tl.constexpr, SW: tl.constexpr):
+    """An fp8 cache's scale bytes (biased exponents) of tokens ``n0..`` of KV head ``kvh``,
+    as [BLOCK_N // SW, SW]: one byte per token-head, contiguous along a page's tokens, so
+    a tile's are read as rows of ``SW`` bytes (vectorized), not a byte per token
+    (``load_kv``). Both stay synchronous loads (a tile's scales are too few bytes for
+    ``cp.async``): the caller reads them a tile ahead."""
+    row_pos = n0 + tl.arange(0, BLOCK_N // SW) * SW
     off = row_pos % (PAGE * PPB)
     base = tl.multiple_of(blk * s_sb + (off // PAGE) * s_sp + kvh * s_sh + off % PAGE, SW)
-    e = tl.load(s_ptr + base[:, None] + tl.arange(0, SW)[None, :])
+    return tl.load(s_ptr + base[:, None] + tl.arange(0, SW)[None, :])
+
+
+@triton.jit
+def scales_of(e, ok, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] fp32 2^(e - 127) of ``row_scales``' bytes, 1.0 where not ``ok``."""
     scale = tl.reshape((e.to(tl.int32) << 23).to(tl.float32, bitcast=True), [BLOCK_N])
     return tl.where(ok, scale, 1.0)
 

@@ -30,8 +30,10 @@ from ._common import (
     load_kv,
     mma,
     page_offsets,
+    row_scales,
+    scale_rows,
+    scales_of,
     sm_count,
-    tile_scales,
 )
 from .reference import decode_attention as decode_attention_reference
 
@@ -113,17 +115,26 @@ def _paged_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * s_bt
+    if F8_COLUMNS:  # scale bytes a tile ahead, their blocks two ahead (plain loads, by hand)
+        blk_next = scale_rows(bt_row, start, end, PAGE, PPB, BLOCK_N, SW)
+        ek_next = row_scales(ks_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
+        ev_next = row_scales(vs_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
+        blk_next = scale_rows(bt_row, start + BLOCK_N, end, PAGE, PPB, BLOCK_N, SW)
     # The paged context: the same loop as plain decode (loads straight into the dot).
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        tok = page_offsets(bt_ptr + b * s_bt, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+        tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
         if F8_COLUMNS:
-            sk = tile_scales(ks_ptr, bt_ptr + b * s_bt, n0, end, ok, kvh, s_sb, s_sp, s_sh,
-                             PAGE, PPB, BLOCK_N, SW)
-            sv = tile_scales(vs_ptr, bt_ptr + b * s_bt, n0, end, ok, kvh, s_sb, s_sp, s_sh,
-                             PAGE, PPB, BLOCK_N, SW)
+            ek = ek_next
+            ev = ev_next
+            ek_next = row_scales(ks_ptr, blk_next, n0 + BLOCK_N, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
+            ev_next = row_scales(vs_ptr, blk_next, n0 + BLOCK_N, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
+            blk_next = scale_rows(bt_row, n0 + 2 * BLOCK_N, end, PAGE, PPB, BLOCK_N, SW)
+            sk = scales_of(ek, ok, BLOCK_N)
+            sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
             v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_step_fp8(q, k_t.to(q.dtype), v.to(q.dtype), sk, sv, ok, m_i, l_i,

@@ -168,6 +168,31 @@ def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(spl
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_columns_reads_scales_ahead_across_many_tiles(splits):
+    """The columns variant reads each tile's scales a tile ahead and their blocks two
+    ahead: contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a
+    context ending mid-tile and one of a single token, equal the reference and the
+    default variant."""
+    nb, h, page, ppb, d = 40, 2, 16, 2, 64
+    gen = torch.Generator().manual_seed(9)
+    n = nb * ppb * page
+    caches = [torch.zeros(nb, ppb, h, page, dd, dtype=t) for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1),
+                                                                         (torch.uint8, 1))]
+    k = torch.randn(n, h, d, generator=gen) * torch.tensor([2.0, 0.3])[None, :, None]
+    v = torch.randn(n, h, d, generator=gen)
+    ref.store_kv(k, v, *caches[:2], torch.arange(n), *caches[2:])
+    kc, vc, ks, vs = (c.to(DEV) for c in caches)
+    bt = torch.randperm(nb, generator=gen)[:36].view(3, 12).int()
+    lens = torch.tensor([384, 301, 1], dtype=torch.int32)
+    q = torch.randn(3, 4, d, generator=gen)
+    want = ref.decode_attention(q, kc.cpu(), vc.cpu(), lens, bt, 0.125, ks.cpu(), vs.cpu())
+    for columns in (False, True):
+        got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs,
+                               num_splits=splits, fp8_columns=columns)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_triton_block_attention_equals_the_reference():
     kc, vc, ks, vs = (c.to(DEV) for c in _filled())
     gen = torch.Generator().manual_seed(6)
