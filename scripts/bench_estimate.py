@@ -103,9 +103,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900)
     args = parser.parse_args()
     from pdflow.bench.profile import MachineProfile, measure
-    from pdflow.serve.step_probe import served_step_s
+    from pdflow.serve.step_probe import served_probe
 
-    profile = MachineProfile.load(Path(args.profile)) if args.profile else measure(args.device, served_step_s)
+    profile = MachineProfile.load(Path(args.profile)) if args.profile else measure(args.device, served_probe)
     points = POINTS[args.points]
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(points))
     print("| point | prefill tok/s est | measured | est/meas | decode tok/s est | measured | est/meas |")
