@@ -58,7 +58,7 @@ def measure_step_table(model_overrides: list[str], device: str, tps: tuple[int, 
     points = CPU_POINTS if device == "cpu" else GPU_POINTS
     shards = []
     threads_before = torch.get_num_threads()
-    with _one_rank_group(device):
+    with _one_rank_group(device) if max(tps) > 1 else contextlib.nullcontext():
         for tp, threads in shard_plan(tps, cores, device):
             if device == "cpu":
                 torch.set_num_threads(threads)
