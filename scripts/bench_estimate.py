@@ -130,7 +130,8 @@ def main() -> int:
     tables = ", ".join(t.model for t in profile.step_tables) or "none: priced by the GEMM rate"
     print(f"\nwithin +-25%: {within}/{total} = {within / max(1, total):.0%} "
           f"(profile v{profile.version}: step tables {tables}; step overhead {profile.table_step_overhead_s * 1e3:.3g} "
-          f"ms vs table (GEMM model: {profile.step_overhead_s * 1e3:.3g}), rank step "
+          f"ms vs table (GEMM model: {profile.step_overhead_s * 1e3:.3g}), row {profile.table_row_overhead_s * 1e3:.3g} ms, "
+          f"rank step "
           f"{profile.table_rank_step_overhead_s * 1e3:.3g} ms, request {profile.request_overhead_s * 1e3:.3g} ms, "
           f"GEMM {profile.gemm_flops_s / 1e9:.3g} GFLOP/s, {profile.cores} cores)")
     return 0

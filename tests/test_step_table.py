@@ -155,7 +155,7 @@ def test_the_tiny_models_layer_is_timed_per_shard():
     assert table.model == "tiny" and table.geometry["hidden"] == 256
     (shard,) = table.shards
     assert (shard.tp, shard.threads) == (2, 1)
-    assert set(shard.dense_s) == {16, 64, 256, 1024, 2048} and set(shard.decode_s) == {64, 512}
+    assert set(shard.dense_s) == {16, 64, 256, 1024, 2048} and set(shard.decode_s) == {32, 512}
     values = [*shard.dense_s.values(), *shard.prefill_attention_s.values(), *shard.head_s.values(),
               *(v for row in shard.decode_s.values() for v in row.values())]
     assert all(v > 0 for v in values)
@@ -167,14 +167,16 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     from pdflow.bench.profile import ServedProbe, _table_overheads
 
     prof = _tiny_profile()
-    one = ServedProbe(step_s=0.02, ttft_s=0.05, prompt_tokens=4, context=28)
+    one = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, prompt_tokens=4, context=28)
     two = ServedProbe(step_s=0.06, ttft_s=0.09, prompt_tokens=4, context=28)
-    step, rank, request = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4)
+    step, row, rank, request = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4)
     assert step == pytest.approx(0.02 - (8 * 1e-3 + 5e-4))
+    assert row == pytest.approx((0.035 - step - (8 * 1e-3 + 5e-4)) / 3)  # 4 streams: 3 rows beyond the first
     assert request == pytest.approx(0.05 - step - (8 * 1e-3 + 5e-4))  # 4 prompt tokens: the batch-4 decode row
     assert rank == pytest.approx(0.06 - step - 2e-4 - 2 * 8 * 5e-4 - (8 * 3e-3 + 7e-4))
-    priced = _tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank)
-    assert Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=priced, role=CONSUMER).step_s(1, 28, 1) \
-        == pytest.approx(0.02)
+    priced = _tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row)
+    tp1 = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=priced, role=CONSUMER)
+    assert tp1.step_s(1, 28, 1) == pytest.approx(0.02) and tp1.step_s(4, 28, 4) == pytest.approx(0.035)
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=priced, role=CONSUMER)
     assert tp2.step_s(1, 28, 1) == pytest.approx(0.06, abs=1e-4)  # + the activations over the link
+    assert tp2.step_s(4, 28, 4) == pytest.approx(0.06 + 3 * row, abs=1e-4)  # the flat table: rows cost only hosts

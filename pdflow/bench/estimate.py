@@ -180,8 +180,10 @@ class Pricer:
         return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
-        """One step's latency: every stage in turn."""
-        return self.overhead_s() + sum(self.stage_times(tokens, context, rows))
+        """One step's latency: every stage in turn, and (table-priced) each row's own
+        host cost beyond the first."""
+        rows_s = (max(1, rows) - 1) * self.profile.table_row_overhead_s if self.shard() is not None else 0.0
+        return self.overhead_s() + rows_s + sum(self.stage_times(tokens, context, rows))
 
     def depth(self, batch: int) -> int:
         """Decode steps in flight at once: the engine splits a batch across up to one step

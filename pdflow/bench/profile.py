@@ -43,6 +43,8 @@ class ServedProbe:
 
     step_s: float
     ttft_s: float
+    batch: int = 1  # streams at once for ``batch_step_s``
+    batch_step_s: float = 0.0  # the median gap with ``batch`` streams (0: not measured)
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
 
@@ -79,8 +81,10 @@ class MachineProfile:
     # Measured against the tiny model's table (0 where not measured): a served decode
     # step less its table-priced compute; a rank process's step work beyond that (served
     # TP2 step less its compute, all-reduces, message and the owner's overhead); a served
-    # 4-token request's TTFT less its priced step (HTTP, tokenizing, admission, stream).
+    # 4-token request's TTFT less its priced step (HTTP, tokenizing, admission, stream);
+    # each row of a step beyond the first (its stream: detokenize, SSE chunk, the client).
     table_step_overhead_s: float = 0.0
+    table_row_overhead_s: float = 0.0
     table_rank_step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
 
@@ -266,9 +270,9 @@ def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
 
 
 def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,
-                     allreduce: float, rank_message: float) -> tuple[float, float, float]:
-    """(step, rank step, request) overheads: what the served tiny model's steps and first
-    token took beyond their table-priced compute (and, TP2, collectives), each >= 0."""
+                     allreduce: float, rank_message: float) -> tuple[float, float, float, float]:
+    """(step, row, rank step, request) overheads: what the served tiny model's steps and
+    first token took beyond their table-priced compute (and, TP2, collectives), >= 0."""
     def compute(tp: int, tokens: int, rows: int, context: int) -> float:
         shard = table.shard(tp, max(1, cores // tp))
         if shard is None:
@@ -276,12 +280,15 @@ def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe
         return layers * shard.layer_s(tokens, rows, context) + interpolate(shard.head_s, rows)
 
     step = max(0.0, one.step_s - compute(1, 1, 1, one.context))
+    row = 0.0
+    if one.batch > 1 and one.batch_step_s > 0:
+        row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
     request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
     rank_step = 0.0
     if two is not None:
         rank_step = max(0.0, two.step_s - step - rank_message - 2 * layers * allreduce
                         - compute(2, 1, 1, two.context))
-    return step, rank_step, request
+    return step, row, rank_step, request
 
 
 def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
@@ -326,15 +333,15 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     two = step_probe(device, 2) if step_probe and device == "cpu" else None
     layers = compose_spec(["model=tiny"]).model.layers
     rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
-    table_step, table_rank, request = (
-        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message) if one else (0.0, 0.0, 0.0))
+    table_step, table_row, table_rank, request = (
+        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message) if one else (0.0,) * 4)
     return MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
         transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=rank_message,
         step_overhead_s=_step_overhead(one.step_s, gemm, mem) if one else 0.0,
         allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
-        version=VERSION, step_tables=tables, table_step_overhead_s=table_step,
+        version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
         table_rank_step_overhead_s=table_rank, request_overhead_s=request,
     )
 

@@ -16,7 +16,7 @@ import math
 
 from pdflow.bench.step_table import ShardTimes, StepTable, geometry_of
 
-CPU_POINTS = {"prefill": (16, 64, 256, 1024, 2048), "batches": (1, 4, 16, 64), "contexts": (64, 512)}
+CPU_POINTS = {"prefill": (16, 64, 256, 1024, 2048), "batches": (1, 4, 16, 64), "contexts": (32, 512)}
 GPU_POINTS = {"prefill": (16, 128, 512, 2048, 8192), "batches": (1, 4, 16, 64, 256), "contexts": (128, 2048)}
 # Thread counts a rank of a tp x pp deployment gets: the searched depths.
 PIPELINE_DEPTHS = (1, 2, 4)

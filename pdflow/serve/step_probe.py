@@ -15,11 +15,13 @@ from pdflow.spec.load import compose_spec
 
 TOKENS = 48
 PROMPT = [5, 6, 7, 8]
+BATCH = 4  # streams at once for the per-row cost of a step
 
 
 def served_probe(device: str, tp: int = 1) -> ServedProbe:
     """One decode step and the first token of the tiny model served with ``tp`` rank
-    processes (``tp=1``: in the serving process); the TTFT is the median of a few."""
+    processes (``tp=1``: in the serving process); the TTFT is the median of a few; the
+    batch step the median gap with ``BATCH`` streams at once."""
     from pdflow.bench.workloads.stats import percentile
     from pdflow.serve.launch import serve_spec
 
@@ -32,6 +34,8 @@ def served_probe(device: str, tp: int = 1) -> ServedProbe:
         results, _ = asyncio.run(drive(target, [request], concurrency=1, timeout_s=600, progress=False))
         short = WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)
         firsts, _ = asyncio.run(drive(target, [short] * 5, concurrency=1, timeout_s=600, progress=False))
+        batch, _ = asyncio.run(drive(target, [request] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))
     return ServedProbe(step_s=percentile(results[0].itl_s, 50),
+                       batch=BATCH, batch_step_s=percentile([g for r in batch for g in r.itl_s], 50),
                        ttft_s=percentile([r.ttft_s for r in firsts if r.ttft_s is not None], 50),
                        prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2)
