@@ -179,4 +179,6 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     assert tp1.step_s(1, 28, 1) == pytest.approx(0.02) and tp1.step_s(4, 28, 4) == pytest.approx(0.035)
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=priced, role=CONSUMER)
     assert tp2.step_s(1, 28, 1) == pytest.approx(0.06, abs=1e-4)  # + the activations over the link
-    assert tp2.step_s(4, 28, 4) == pytest.approx(0.06 + 3 * row, abs=1e-4)  # the flat table: rows cost only hosts
+    assert tp2.step_s(4, 28, 4) == pytest.approx(0.06, abs=1e-4)  # rank processes: rows overlap their compute
+    quieter = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.06, prompt_tokens=4, context=28)
+    assert _table_overheads(prof.step_tables[0], 2, 8, one, quieter, 5e-4, 2e-4)[2] == pytest.approx(rank)
