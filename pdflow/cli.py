@@ -302,9 +302,9 @@ def hydra_command(module: str, name: str, flags: dict[str, str] | None = None) -
 
 def profile_command(args: list[str]) -> int:
     from pdflow.bench.profile import main as profile_main
-    from pdflow.serve.step_probe import served_step_s
+    from pdflow.serve.step_probe import served_probe
 
-    return profile_main(args, step_probe=served_step_s)
+    return profile_main(args, step_probe=served_probe)
 
 
 def compare_command(args: list[str]) -> int:

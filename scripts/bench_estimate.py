@@ -103,9 +103,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900)
     args = parser.parse_args()
     from pdflow.bench.profile import MachineProfile, measure
-    from pdflow.serve.step_probe import served_step_s
+    from pdflow.serve.step_probe import served_probe
 
-    profile = MachineProfile.load(Path(args.profile)) if args.profile else measure(args.device, served_step_s)
+    models = tuple(dict.fromkeys(o.split("=", 1)[1] for point in POINTS[args.points] for o in point
+                                 if o.startswith("model=")))
+    profile = (MachineProfile.load(Path(args.profile)) if args.profile
+               else measure(args.device, served_probe, models=models))
     points = POINTS[args.points]
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(points))
     print("| point | prefill tok/s est | measured | est/meas | decode tok/s est | measured | est/meas |")
@@ -124,9 +127,13 @@ def main() -> int:
             total += 1
             cells += [f"{est[key]:.4g}", f"{got[key]:.4g}", f"{ratio:.2f}"]
         print(f"| {' '.join(overrides)} | " + " | ".join(cells) + " |", flush=True)
+    tables = ", ".join(t.model for t in profile.step_tables) or "none: priced by the GEMM rate"
     print(f"\nwithin +-25%: {within}/{total} = {within / max(1, total):.0%} "
-          f"(profile: step overhead {profile.step_overhead_s * 1e3:.3g} ms, GEMM {profile.gemm_flops_s / 1e9:.3g} "
-          f"GFLOP/s, {profile.cores} cores)")
+          f"(profile v{profile.version}: step tables {tables}; step overhead {profile.table_step_overhead_s * 1e3:.3g} "
+          f"ms vs table (GEMM model: {profile.step_overhead_s * 1e3:.3g}), row {profile.table_row_overhead_s * 1e3:.3g} ms, "
+          f"rank step "
+          f"{profile.table_rank_step_overhead_s * 1e3:.3g} ms, request {profile.request_overhead_s * 1e3:.3g} ms, "
+          f"GEMM {profile.gemm_flops_s / 1e9:.3g} GFLOP/s, {profile.cores} cores)")
     return 0
 
 

@@ -132,11 +132,14 @@ def test_plan_estimate_prints_the_tables(tmp_path):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_profile_prices_a_gpu_graph():
     from pdflow.bench.profile import measure
-    from pdflow.serve.step_probe import served_step_s
+    from pdflow.serve.step_probe import served_probe
 
-    prof = measure("cuda", served_step_s)
+    prof = measure("cuda", served_probe, models=("qwen3-0.6b",))
     assert prof.device == "cuda" and prof.gemm_flops_s > 1e13 and prof.mem_bytes_s > 1e11
-    graph = _graph("model=qwen3-0.6b", "mode=monolithic", "decode=tp1", "decode.device=cuda", "prefill.device=cuda")
+    assert [t.model for t in prof.step_tables] == ["tiny", "qwen3-0.6b"]
+    graph = _graph("model=qwen3-0.6b", "model.path=null", "mode=monolithic", "decode=tp1", "decode.device=cuda",
+                   "prefill.device=cuda")
+    assert Pricer(graph=graph, profile=prof, role=CONSUMER).shard() is not None  # priced by its step table
     est = estimate(graph, prof, input_len=512, output_len=64)
     assert est.prefill_tok_s[512] > 1e3 and est.decode_tok_s[1] > 10 and est.pool_blocks["decode"] > 0
 

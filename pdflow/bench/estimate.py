@@ -2,12 +2,16 @@
 
 The graph says what each stage holds (its layers, its TP degree, each side's pool and
 block size, the bytes every producer rank writes per block); the profile says what this
-machine does per second. A stage's step is the larger of its FLOPs at the rank's GEMM
-rate and its bytes (weights, live KV) at the memory bandwidth, plus two all-reduces per
-layer under TP; a step adds the pipeline hops, the engine's per-step host overhead and,
-when the side has rank processes, one owner <-> rank message and each stage's measured
-per-step rank work. Nothing here places or
-lays out anything: every shape is asked of the graph.
+machine does per second. A stage's step is its layers times the measured time of one
+layer of the rank's TP shard at the step's tokens (the profile's step table, between its
+points), plus the LM head and sampling on the last stage; with no table for the model,
+shard or thread count (an older profile), the larger of its FLOPs at the rank's GEMM
+rate and its bytes at the memory bandwidth (said once). Under TP two all-reduces per
+layer; a step adds the pipeline hops, the engine's per-step host overhead and, when the
+side has rank processes, one owner <-> rank message and each stage's measured per-step
+rank work. A served request adds its measured serving cost (HTTP, admission, stream) to
+its TTFT and to a prefill step per request. Nothing here places or lays out anything:
+every shape is asked of the graph.
 
 Goodput: a request of mean prompt ``L`` and output ``O`` needs its TTFT at zero load
 within ``slo.ttft_s``; decode runs the largest batch whose time per token stays within
@@ -19,9 +23,11 @@ prefill and decode sustain (in series on one instance when monolithic), times
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 
 from pdflow.bench.profile import MachineProfile
+from pdflow.bench.step_table import ShardTimes, interpolate
 from pdflow.graph import CONSUMER, PRODUCER, RunGraph, parallel_of
 from pdflow.spec import SloSpec
 from pdflow.spec.dtypes import dtype_bytes
@@ -35,6 +41,15 @@ BATCHES = (1, 4, 16, 64, 256)
 
 class EstimateError(ValueError):
     """The profile cannot price this graph (another device kind)."""
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"pdflow estimate: {message}", file=sys.stderr)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,10 +99,37 @@ class Pricer:
     def par(self):
         return parallel_of(self.graph.spec, self.role)
 
+    def threads(self) -> int:
+        """Torch threads a rank of this side gets (``pdflow.worker.rank_loop``'s share)."""
+        inst = self.graph.instance(self.role)
+        return max(1, self.profile.cores // (inst.tp * inst.pp))
+
+    def shard(self) -> ShardTimes | None:
+        """The step table's times for this side's TP shard and thread count (None: not
+        measured, and the GEMM model prices it)."""
+        prof, model, inst = self.profile, self.graph.spec.model, self.graph.instance(self.role)
+        table = prof.step_table(model)
+        shard = table.shard(inst.tp, self.threads()) if table else None
+        if shard is None:
+            _say_once("the profile has no step table (an older file): pricing by the GEMM rate; rerun pdflow profile"
+                      if not prof.step_tables else
+                      f"no step table for {model.name} tp{inst.tp} at {self.threads()} threads in the profile: "
+                      f"pricing by the GEMM rate (pdflow profile --model {model.name} --tp {inst.tp})")
+        return shard
+
     def _stage_s(self, stage, tokens: int, context: int, rows: int) -> float:
         m, par, prof = self.graph.spec.model, self.par, self.profile
         inst = self.graph.instance(self.role)
         layers = stage.layer_stop - stage.layer_start
+        threads = self.threads()
+        # CPU ranks beyond the cores take turns: a stage's TP ranks all compute at once.
+        crowd = max(1.0, inst.tp * threads / prof.cores) if prof.device == "cpu" else 1.0
+        shard = self.shard()
+        if shard is not None:
+            compute = layers * shard.layer_s(tokens, rows, context)
+            if stage.index == inst.pp - 1:
+                compute += interpolate(shard.head_s, max(1, rows))
+            return crowd * compute + self._collectives_s(layers, tokens)
         matmul = (m.params_per_layer() - 2 * m.hidden) * layers
         flops = 2.0 * tokens * matmul / inst.tp
         flops += 4.0 * m.heads * m.head_dim * tokens * context * layers / inst.tp
@@ -97,15 +139,17 @@ class Pricer:
         if stage.index == inst.pp - 1:
             flops += 2.0 * rows * m.vocab * m.hidden
             weight_bytes += m.vocab * m.hidden * dtype_bytes(m.stored_weight_dtype)
-        threads = max(1, prof.cores // (inst.tp * inst.pp))
-        # CPU ranks beyond the cores take turns: a stage's TP ranks all compute at once.
-        crowd = max(1.0, inst.tp * threads / prof.cores) if prof.device == "cpu" else 1.0
         compute = crowd * max(flops / prof.rank_flops_s(threads, m.hidden),
                               (weight_bytes + kv_bytes) / prof.mem_bytes_s)
-        if inst.tp > 1:
-            act = tokens * m.hidden * dtype_bytes(m.dtype)
-            compute += 2 * layers * (self._all_reduce_s() + act / self._link_rate())
-        return compute
+        return compute + self._collectives_s(layers, tokens)
+
+    def _collectives_s(self, layers: int, tokens: int) -> float:
+        """Two all-reduces of the step's activations per layer under TP."""
+        m = self.graph.spec.model
+        if self.graph.instance(self.role).tp == 1:
+            return 0.0
+        act = tokens * m.hidden * dtype_bytes(m.dtype)
+        return 2 * layers * (self._all_reduce_s() + act / self._link_rate())
 
     def _all_reduce_s(self) -> float:
         """The profile's measured all-reduce; older profiles: the link's latency."""
@@ -125,16 +169,25 @@ class Pricer:
 
     def overhead_s(self) -> float:
         inst = self.graph.instance(self.role)
+        prof = self.profile
         hops = (inst.pp - 1) * self._hop_s()
+        by_table = self.shard() is not None  # its overheads were measured against the table
         ranks = 0.0
         if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
-            crowd = max(1.0, inst.tp / self.profile.cores) if self.profile.device == "cpu" else 1.0
-            ranks = self.profile.rank_message_s + inst.pp * crowd * self.profile.rank_step_overhead_s
-        return self.profile.step_overhead_s + ranks + hops
+            crowd = max(1.0, inst.tp / prof.cores) if prof.device == "cpu" else 1.0
+            rank_step = prof.table_rank_step_overhead_s if by_table else prof.rank_step_overhead_s
+            ranks = prof.rank_message_s + inst.pp * crowd * rank_step
+        return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
-        """One step's latency: every stage in turn."""
-        return self.overhead_s() + sum(self.stage_times(tokens, context, rows))
+        """One step's latency: every stage in turn, and (table-priced, a side without
+        rank processes) each row's own host cost beyond the first; with rank processes
+        the owner's per-row work overlaps their compute (measured: 4 streams cost no
+        more than 1 under TP2)."""
+        inst = self.graph.instance(self.role)
+        in_process = inst.tp * inst.pp == 1 and self.shard() is not None
+        rows_s = (max(1, rows) - 1) * self.profile.table_row_overhead_s if in_process else 0.0
+        return self.overhead_s() + rows_s + sum(self.stage_times(tokens, context, rows))
 
     def depth(self, batch: int) -> int:
         """Decode steps in flight at once: the engine splits a batch across up to one step
@@ -150,12 +203,13 @@ class Pricer:
         up to ``max_num_batched_tokens`` a step and the pipeline full of steps)."""
         chunk = min(length, self.par.max_num_batched_tokens)
         chunks = math.ceil(length / chunk)
-        alone = sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
+        request = self.profile.request_overhead_s  # a served request's own cost, same cores
+        alone = request + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
         depth = self.depth(self.graph.instance(self.role).pp)
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
-        per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest)
+        per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
         return alone, tokens / per_step
 
 

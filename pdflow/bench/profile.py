@@ -4,8 +4,12 @@ What the estimate needs and nothing else: the GEMM rate (all threads, and one th
 since a CPU rank gets ``cores // world`` threads), memory bandwidth, host copy bandwidth
 (device -> pinned host on a GPU), a transfer's bandwidth and latency per backend, the
 latency of one owner <-> rank message, and the per-step host overhead of the real engine
-(a served one-rank tiny-model decode step, less its compute). Saved as JSON; a profile says
-which device and host it measured, and the estimate refuses to mix devices.
+(a served one-rank tiny-model decode step, less its compute). Since version 2 also the
+model step table (``step_table``): pdflow's own decoder layer, head and sampling timed per
+TP shard and thread count, which the estimate prices a step from, with the engine's
+per-step and per-request serving costs measured against it. Saved as JSON; a profile says
+which device and host it measured, and the estimate refuses to mix devices. An older file
+(no table) still loads; the estimate then prices by the GEMM rate.
 """
 
 from __future__ import annotations
@@ -21,11 +25,28 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdflow.bench.step_table import StepTable, geometry_of, interpolate
+
+VERSION = 2  # 2: step tables and the serving costs measured against them
 DEFAULT_PATH = Path("~/.cache/pdflow/profile.json")
 PROFILE_ENV = "PDFLOW_PROFILE"
 # Tokens of the by-size GEMM: a prefill step's batch (512 rows priced the tiny model's
 # 2048-token prefill steps at a seventh of what they ran at).
 ROWS = 2048
+
+
+@dataclass(kw_only=True, slots=True)
+class ServedProbe:
+    """One served request of the tiny model (``pdflow.serve.step_probe``): the median
+    gap between its streamed tokens (a decode step as served) and its time to first token
+    (a 4-token prompt)."""
+
+    step_s: float
+    ttft_s: float
+    batch: int = 1  # streams at once for ``batch_step_s``
+    batch_step_s: float = 0.0  # the median gap with ``batch`` streams (0: not measured)
+    prompt_tokens: int  # of the request whose TTFT this is
+    context: int  # mean context of the decode steps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +75,18 @@ class MachineProfile:
     # GEMM rate (all threads) by a model's hidden size: [ROWS tokens, d] @ [d, 3d] (a
     # prefill step's shape); small matrices run well below the large-matrix rate.
     gemm_flops_s_by_dim: dict[str, float] = field(default_factory=dict)
+    # 1: no step tables (files written before them).
+    version: int = 1
+    step_tables: list[StepTable] = field(default_factory=list)
+    # Measured against the tiny model's table (0 where not measured): a served decode
+    # step less its table-priced compute; a rank process's step work beyond that (served
+    # TP2 step less its compute, all-reduces, message and the owner's overhead); a served
+    # 4-token request's TTFT less its priced step (HTTP, tokenizing, admission, stream);
+    # each row of a step beyond the first (its stream: detokenize, SSE chunk, the client).
+    table_step_overhead_s: float = 0.0
+    table_row_overhead_s: float = 0.0
+    table_rank_step_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +95,14 @@ class MachineProfile:
 
     @classmethod
     def load(cls, path: Path) -> MachineProfile:
-        return cls(**json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        raw["step_tables"] = [StepTable.from_dict(t) for t in raw.get("step_tables", [])]
+        return cls(**raw)
+
+    def step_table(self, model) -> StepTable | None:
+        """The table measured for ``model``'s geometry (a ``ModelSpec``) on this device."""
+        want = geometry_of(model, self.device)
+        return next((t for t in self.step_tables if t.geometry == want), None)
 
     def gemm_rate(self, hidden: int | None = None) -> float:
         """The measured rate at the size nearest ``hidden`` (log scale); the large-matrix
@@ -229,12 +269,44 @@ def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
     return max(0.0, step_s - compute)
 
 
-def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
-    """``step_probe(device)``: seconds of one served decode step (``pdflow.serve.step_probe``,
-    which the command passes in: serving sits above this package)."""
+def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,
+                     allreduce: float, rank_message: float) -> tuple[float, float, float, float]:
+    """(step, row, rank step, request) overheads: what the served tiny model's steps and
+    first token took beyond their table-priced compute (and, TP2, collectives), >= 0."""
+    def compute(tp: int, tokens: int, rows: int, context: int) -> float:
+        shard = table.shard(tp, max(1, cores // tp))
+        if shard is None:
+            return 0.0
+        return layers * shard.layer_s(tokens, rows, context) + interpolate(shard.head_s, rows)
+
+    step = max(0.0, one.step_s - compute(1, 1, 1, one.context))
+    row = 0.0
+    if one.batch > 1 and one.batch_step_s > 0:
+        row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
+    request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
+    rank_step = 0.0
+    if two is not None:  # rank processes: rows' host work overlaps their compute (4 streams cost
+        # no more than 1 as measured), so the quieter of the two medians is the step (as
+        # every rate here is the best of a few: a TP2 median moved 40 -> 61 ms run to run)
+        served = min(two.step_s, two.batch_step_s) if two.batch_step_s > 0 else two.step_s
+        rank_step = max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(2, 1, 1, two.context))
+    return step, row, rank_step, request
+
+
+def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
+            tps: tuple[int, ...] | None = None) -> MachineProfile:
+    """``step_probe(device, tp)``: a ``ServedProbe`` of the tiny model served with ``tp``
+    ranks (``pdflow.serve.step_probe``, which the command passes in: serving sits above
+    this package). ``models``: config names to time a step table for (the tiny model's
+    always, which the serving costs are measured against); ``tps``: their TP shards
+    (default: 1, 2, 4 on a CPU, 1 on a GPU)."""
     import torch
 
+    from pdflow.bench.step_timing import measure_step_table
+    from pdflow.spec.load import compose_spec
+
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
     gemm = _gemm(torch, device, 1024 if device == "cpu" else 8192, sync)
     torch.set_num_threads(1)
@@ -255,19 +327,24 @@ def measure(device: str = "cpu", step_probe=None) -> MachineProfile:
             rates[name], latencies[name] = mem / 2, 20e-6
     by_dim = _gemm_by_dim(torch, device, sync)
     allreduce, hop = _collectives(device)
-    served = step_probe(device) if step_probe else 0.0
-    rank_step = 0.0
-    if step_probe and device == "cpu":
-        from pdflow.spec.load import compose_spec
-
-        layers = compose_spec(["model=tiny"]).model.layers
-        rank_step = max(0.0, step_probe(device, 2) - served / 2 - 2 * layers * allreduce)
+    tps = tps or ((1, 2, 4) if device == "cpu" else (1,))
+    tables = [measure_step_table([f"model={name}"], device, tps if name != "tiny" or device == "cpu" else (1,), cores,
+                                 _timed) for name in dict.fromkeys(("tiny", *models))]
+    rank_message = _pipe_round_trip()
+    one = step_probe(device, 1) if step_probe else None
+    two = step_probe(device, 2) if step_probe and device == "cpu" else None
+    layers = compose_spec(["model=tiny"]).model.layers
+    rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
+    table_step, table_row, table_rank, request = (
+        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message) if one else (0.0,) * 4)
     return MachineProfile(
-        device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=os.cpu_count() or 1,
+        device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
-        transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=_pipe_round_trip(),
-        step_overhead_s=_step_overhead(served, gemm, mem) if step_probe else 0.0,
+        transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=rank_message,
+        step_overhead_s=_step_overhead(one.step_s, gemm, mem) if one else 0.0,
         allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
+        version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
+        table_rank_step_overhead_s=table_rank, request_overhead_s=request,
     )
 
 
@@ -275,10 +352,18 @@ def main(argv: list[str] | None = None, step_probe=None) -> int:
     parser = argparse.ArgumentParser(prog="pdflow profile", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU 0)")
     parser.add_argument("--out", default=None, help=f"where to save it (default: ${PROFILE_ENV}, else {DEFAULT_PATH})")
+    parser.add_argument("--model", action="append", default=None,
+                        help="a model config to time a step table for (repeatable; the tiny model's always)")
+    parser.add_argument("--tp", default=None, help="TP shards to time, e.g. 1,2,4 (default: 1,2,4 on cpu, 1 on cuda)")
     args = parser.parse_args(argv)
-    profile = measure(args.device, step_probe)
+    tps = tuple(int(t) for t in args.tp.split(",")) if args.tp else None
+    started = time.perf_counter()
+    profile = measure(args.device, step_probe, models=tuple(args.model or ()), tps=tps)
     path = profile.save(Path(args.out).expanduser() if args.out else default_path())
     for key, value in asdict(profile).items():
-        print(f"{key:26} {value}")
-    print(f"\nsaved: {path}")
+        if key != "step_tables":
+            print(f"{key:26} {value}")
+    for table in profile.step_tables:
+        print(f"step table {table.model}: " + ", ".join(f"tp{s.tp}/{s.threads} threads" for s in table.shards))
+    print(f"\nsaved: {path} ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -1,6 +1,7 @@
-"""The served engine's decode step, for ``pdflow profile``: the shipped tiny model served
-alone (one rank, this device), one streamed request; the median gap between its tokens
-is one decode step as ``pdflow run`` sees it (engine loop, API and stream included).
+"""The served engine's decode step and first token, for ``pdflow profile``: the shipped
+tiny model served alone (one rank, this device), one streamed request of a 4-token
+prompt; the median gap between its tokens is one decode step as ``pdflow run`` sees it
+(engine loop, API and stream included), its TTFT what a request costs end to end.
 With two rank processes, what a step costs beyond its compute and collectives is the
 rank processes' own per-step work (message, wake-up, tensors from the step's lists)."""
 
@@ -8,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 
+from pdflow.bench.profile import ServedProbe
 from pdflow.bench.workloads import Target, WorkRequest, drive
 from pdflow.spec.load import compose_spec
 
 TOKENS = 48
+PROMPT = [5, 6, 7, 8]
+BATCH = 4  # streams at once for the per-row cost of a step
 
 
-def served_step_s(device: str, tp: int = 1) -> float:
-    """Seconds of one decode step of the tiny model served with ``tp`` rank processes
-    (``tp=1``: in the serving process)."""
+def served_probe(device: str, tp: int = 1) -> ServedProbe:
+    """One decode step and the first token of the tiny model served with ``tp`` rank
+    processes (``tp=1``: in the serving process); the TTFT is the median of a few; the
+    batch step the median gap with ``BATCH`` streams at once."""
     from pdflow.bench.workloads.stats import percentile
     from pdflow.serve.launch import serve_spec
 
@@ -24,7 +29,13 @@ def served_step_s(device: str, tp: int = 1) -> float:
                          f"decode.device={device}", f"prefill.device={device}"])
     with serve_spec(spec, port=0) as served:
         target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
-        request = WorkRequest(prompt=[5, 6, 7, 8], max_tokens=TOKENS, ignore_eos=True)
+        request = WorkRequest(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
         asyncio.run(drive(target, [request], concurrency=1, timeout_s=600, progress=False))  # warm-up
         results, _ = asyncio.run(drive(target, [request], concurrency=1, timeout_s=600, progress=False))
-    return percentile(results[0].itl_s, 50)
+        short = WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)
+        firsts, _ = asyncio.run(drive(target, [short] * 5, concurrency=1, timeout_s=600, progress=False))
+        batch, _ = asyncio.run(drive(target, [request] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))
+    return ServedProbe(step_s=percentile(results[0].itl_s, 50),
+                       batch=BATCH, batch_step_s=percentile([g for r in batch for g in r.itl_s], 50),
+                       ttft_s=percentile([r.ttft_s for r in firsts if r.ttft_s is not None], 50),
+                       prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2)

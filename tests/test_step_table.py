@@ -1,0 +1,184 @@
+"""The profile's model step table: interpolation against hand-computed cases, the
+estimate pricing a stage from it (layers x layer time of the side's own TP shard + head
++ overheads), an older profile without a table still loading and pricing by the GEMM
+model, and a real (short) timing of the tiny model's layer."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+
+from pdflow.bench import estimate as estimate_mod
+from pdflow.bench.estimate import Pricer
+from pdflow.bench.profile import MachineProfile, _timed
+from pdflow.bench.step_table import ShardTimes, StepTable, decode_at, geometry_of, interpolate
+from pdflow.graph import CONSUMER, PRODUCER, build_graph
+from pdflow.spec.load import compose_spec
+
+
+def test_interpolation_is_log_log_between_points_floor_below_linear_above():
+    points = {16: 1.0, 64: 4.0, 256: 8.0}
+    assert interpolate(points, 16) == 1.0 and interpolate(points, 64) == 4.0
+    # 32 is halfway between 16 and 64 in log: sqrt(1 * 4) = 2
+    assert interpolate(points, 32) == pytest.approx(2.0)
+    # 128 halfway between 64 and 256 in log: sqrt(4 * 8)
+    assert interpolate(points, 128) == pytest.approx(math.sqrt(32.0))
+    assert interpolate(points, 4) == 1.0  # below: the smallest point's time
+    assert interpolate(points, 1024) == pytest.approx(8.0 * 1024 / 256)  # above: scaled by tokens
+    with pytest.raises(ValueError):
+        interpolate({}, 3)
+
+
+def test_decode_is_interpolated_by_batch_then_linear_in_context():
+    table = {64: {1: 1.0, 4: 4.0}, 512: {1: 3.0, 4: 6.0}}
+    assert decode_at(table, 2, 64) == pytest.approx(2.0)  # log-log: sqrt(1 * 4)
+    assert decode_at(table, 1, 288) == pytest.approx(2.0)  # halfway in context: (1 + 3) / 2
+    assert decode_at(table, 1, 10) == 1.0  # shorter than measured: the shortest's
+    assert decode_at(table, 1, 960) == pytest.approx(5.0)  # longer: the line extended (slope 2/448)
+    assert decode_at({64: {1: 2.0}, 512: {1: 1.0}}, 1, 960) == 1.0  # a falling (noisy) pair: no lower
+
+
+def _shard(tp: int, threads: int, layer: float, head: float) -> ShardTimes:
+    """Flat tables: every token count costs ``layer`` (dense and attention halves) a layer."""
+    counts = (16, 64, 256, 1024, 2048)
+    return ShardTimes(tp=tp, threads=threads, dense_s={t: layer / 2 for t in counts},
+                      prefill_attention_s={t: layer / 2 for t in counts},
+                      decode_s={64: {b: layer for b in (1, 4, 16, 64)}, 512: {b: layer for b in (1, 4, 16, 64)}},
+                      head_s={r: head for r in (1, 4, 16, 64)})
+
+
+def _tiny_profile(**kw) -> MachineProfile:
+    table = StepTable(model="tiny", geometry=geometry_of(compose_spec(["model=tiny"]).model, "cpu"),
+                      shards=[_shard(1, 2, 1e-3, 5e-4), _shard(1, 1, 2e-3, 6e-4), _shard(2, 1, 3e-3, 7e-4),
+                              _shard(4, 1, 4e-3, 8e-4)])
+    base = dict(device="cpu", host="test", cores=2, gemm_flops_s=1e9, gemm_flops_s_one_thread=1e9,
+                mem_bytes_s=1e15, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9, "gloo": 1e9},
+                transfer_latency_s={"mooncake": 1e-3, "gloo": 1e-4}, rank_message_s=2e-4, step_overhead_s=0.5,
+                rank_step_overhead_s=0.7, allreduce_s=5e-4, hop_s=3e-4, version=2, step_tables=[table],
+                table_step_overhead_s=0.01, table_rank_step_overhead_s=2e-3)
+    return MachineProfile(**(base | kw))
+
+
+def _graph(*overrides: str):
+    return build_graph(compose_spec(["drafter=none", *overrides]))
+
+
+def test_a_one_rank_step_is_layers_times_the_shards_layer_plus_head_and_overhead():
+    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=_tiny_profile(), role=CONSUMER)
+    # 8 layers of the tp1 / 2-thread shard, its head, the overhead measured against the table
+    assert pricer.step_s(4, 100, 4) == pytest.approx(0.01 + 8 * 1e-3 + 5e-4)
+    # a 128-token prefill of one prompt: dense 0.5 ms + one row's attention 0.5 ms a layer
+    alone, _ = pricer.prefill(128)
+    assert alone == pytest.approx(0.01 + 8 * 1e-3 + 5e-4)
+
+
+def test_a_prefill_step_prices_each_rows_attention_over_its_own_prompt():
+    counts = (16, 64, 256, 1024, 2048)
+    shard = ShardTimes(tp=1, threads=2, dense_s={t: t * 1e-6 for t in counts},
+                       prefill_attention_s={t: t * t * 1e-9 for t in counts}, decode_s={64: {1: 1e-3}},
+                       head_s={1: 1e-4})
+    # 512 tokens as 4 prompts of 128: dense at 512, 4 x attention at 128 (log-log on t^2 is exact)
+    assert shard.layer_s(512, 4, 65) == pytest.approx(512e-6 + 4 * 128 * 128 * 1e-9)
+    assert shard.layer_s(512, 1, 257) == pytest.approx(512e-6 + 512 * 512 * 1e-9)
+
+
+def test_tp_and_pp_sides_use_their_own_shard_and_layer_count():
+    prof = _tiny_profile()
+    tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=prof, role=CONSUMER)
+    all_reduce = 2 * 8 * (5e-4 + 4 * 256 * 4 / 1e9)
+    # tp2: one thread a rank, the tp2 shard's layer; a rank message and one stage's rank work
+    assert tp2.step_s(4, 100, 4) == pytest.approx(0.01 + 2e-4 + 2e-3 + 8 * 3e-3 + 7e-4 + all_reduce)
+    pp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp1", "decode.pp=2"), profile=prof, role=CONSUMER)
+    stages = pp2.stage_times(4, 100, 4)  # 4 layers each of the tp1 / 1-thread shard; the head on the last
+    assert stages == pytest.approx([4 * 2e-3, 4 * 2e-3 + 6e-4])
+    tp4 = Pricer(graph=_graph("mode=monolithic", "decode=tp4"), profile=prof, role=CONSUMER)
+    assert tp4.stage_times(4, 100, 4) == pytest.approx([2 * (8 * 4e-3 + 8e-4) + all_reduce])  # 4 ranks, 2 cores
+    pd = Pricer(graph=_graph("prefill=pp2", "decode=tp2"), profile=prof, role=PRODUCER)
+    assert pd.stage_times(4, 100, 4) == pytest.approx([4 * 2e-3, 4 * 2e-3 + 6e-4])
+
+
+def test_the_served_request_cost_adds_to_ttft_and_to_each_row_of_a_prefill_step():
+    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=_tiny_profile(request_overhead_s=0.02),
+                    role=CONSUMER)
+    step = 0.01 + 8 * 1e-3 + 5e-4
+    alone, tok_s = pricer.prefill(128, concurrent=4)
+    assert alone == pytest.approx(0.02 + step)
+    batched = 0.01 + 8 * (0.5e-3 + 4 * 0.5e-3) + 5e-4  # 4 prompts of 128: dense once, attention per prompt
+    assert tok_s == pytest.approx(512 / (batched + 4 * 0.02))
+
+
+def test_a_table_for_another_model_or_thread_count_falls_back_to_the_gemm_model(capsys):
+    estimate_mod._SAID.clear()
+    prof = _tiny_profile()
+    other = Pricer(graph=_graph("model=qwen3-0.6b", "model.path=null", "mode=monolithic", "decode=tp1"), profile=prof,
+                   role=CONSUMER)
+    assert other.shard() is None
+    assert "no step table for qwen3-0.6b" in capsys.readouterr().err
+    prof.step_tables[0].shards = prof.step_tables[0].shards[1:]  # tp1 at 2 threads not measured
+    assert Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=prof, role=CONSUMER).shard() is None
+
+
+def test_the_table_survives_save_and_load(tmp_path):
+    prof = _tiny_profile()
+    loaded = MachineProfile.load(prof.save(tmp_path / "p.json"))
+    assert loaded == prof and loaded.step_tables[0].shards[2].decode_s[512][16] == 3e-3
+
+
+def test_an_old_profile_without_a_table_loads_and_prices_by_the_gemm_rate_said_once(tmp_path, capsys):
+    raw = asdict(_tiny_profile())
+    for key in ("version", "step_tables", "table_step_overhead_s", "table_rank_step_overhead_s",
+                "request_overhead_s"):
+        del raw[key]
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    old = MachineProfile.load(tmp_path / "old.json")
+    assert old.version == 1 and old.step_tables == [] and old.request_overhead_s == 0.0
+    estimate_mod._SAID.clear()
+    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=old, role=CONSUMER)
+    matmul = 256 * 64 * (8 * 2 + 4 * 2) + 3 * 256 * 768
+    flops = 2 * 4 * matmul * 8 + 4 * 8 * 64 * 4 * 100 * 8 + 2 * 4 * 128 * 256
+    assert pricer.step_s(4, 100, 4) == pytest.approx(0.5 + flops / 1e9)  # the old overhead, the GEMM rate
+    pricer.step_s(1, 10, 1)
+    assert capsys.readouterr().err.count("no step table (an older file)") == 1
+
+
+def test_the_tiny_models_layer_is_timed_per_shard():
+    """The real model code on this CPU, one quick round a point (no time is asserted)."""
+    from pdflow.bench.step_timing import measure_step_table
+
+    def quick(fn, *, sync, min_s, rounds):
+        return _timed(fn, sync=sync, min_s=0.001, rounds=1)
+
+    table = measure_step_table(["model=tiny"], "cpu", (2,), 2, quick)
+    assert table.model == "tiny" and table.geometry["hidden"] == 256
+    (shard,) = table.shards
+    assert (shard.tp, shard.threads) == (2, 1)
+    assert set(shard.dense_s) == {16, 64, 256, 1024, 2048} and set(shard.decode_s) == {32, 512}
+    values = [*shard.dense_s.values(), *shard.prefill_attention_s.values(), *shard.head_s.values(),
+              *(v for row in shard.decode_s.values() for v in row.values())]
+    assert all(v > 0 for v in values)
+
+
+def test_serving_costs_are_what_the_probes_took_beyond_the_table():
+    """Hand-computed from the table above; and priced back, the profile reproduces the
+    served steps it was measured on (the decomposition adds up)."""
+    from pdflow.bench.profile import ServedProbe, _table_overheads
+
+    prof = _tiny_profile()
+    one = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, prompt_tokens=4, context=28)
+    two = ServedProbe(step_s=0.06, ttft_s=0.09, prompt_tokens=4, context=28)
+    step, row, rank, request = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4)
+    assert step == pytest.approx(0.02 - (8 * 1e-3 + 5e-4))
+    assert row == pytest.approx((0.035 - step - (8 * 1e-3 + 5e-4)) / 3)  # 4 streams: 3 rows beyond the first
+    assert request == pytest.approx(0.05 - step - (8 * 1e-3 + 5e-4))  # 4 prompt tokens: the batch-4 decode row
+    assert rank == pytest.approx(0.06 - step - 2e-4 - 2 * 8 * 5e-4 - (8 * 3e-3 + 7e-4))
+    priced = _tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row)
+    tp1 = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=priced, role=CONSUMER)
+    assert tp1.step_s(1, 28, 1) == pytest.approx(0.02) and tp1.step_s(4, 28, 4) == pytest.approx(0.035)
+    tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=priced, role=CONSUMER)
+    assert tp2.step_s(1, 28, 1) == pytest.approx(0.06, abs=1e-4)  # + the activations over the link
+    assert tp2.step_s(4, 28, 4) == pytest.approx(0.06, abs=1e-4)  # rank processes: rows overlap their compute
+    quieter = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.06, prompt_tokens=4, context=28)
+    assert _table_overheads(prof.step_tables[0], 2, 8, one, quieter, 5e-4, 2e-4)[2] == pytest.approx(rank)
