@@ -109,6 +109,13 @@ def page_offsets(bt_row_ptr, pos, valid, kvh, s_cb, s_cp, s_ch, s_ct,
 
 
 @triton.jit
+def exp2_biased(e):
+    """fp32 2^(e - 127) of biased exponent bytes, from the float's bits (exact; the
+    kernels' twin of ``kv_quant.exp2_biased``)."""
+    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr,
             DT: tl.constexpr):
     """[BLOCK_N, BLOCK_D] of K or V at element offsets ``tok`` (+ d), in ``DT``: dequantized
@@ -116,8 +123,7 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     is fp8."""
     x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
     if QUANT:
-        e = tl.load(s_ptr + tok // D, mask=row_ok, other=127)
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = exp2_biased(tl.load(s_ptr + tok // D, mask=row_ok, other=127))
         x = (x.to(tl.float32) * scale[:, None]).to(DT)  # one return: compiled Triton wants one type
     return x
 
@@ -149,8 +155,7 @@ def row_scales(s_ptr, blk, n0, kvh, s_sb, s_sp, s_sh, PAGE: tl.constexpr, PPB: t
 @triton.jit
 def scales_of(e, ok, BLOCK_N: tl.constexpr):
     """[BLOCK_N] fp32 2^(e - 127) of ``row_scales``' bytes, 1.0 where not ``ok``."""
-    scale = tl.reshape((e.to(tl.int32) << 23).to(tl.float32, bitcast=True), [BLOCK_N])
-    return tl.where(ok, scale, 1.0)
+    return tl.where(ok, tl.reshape(exp2_biased(e), [BLOCK_N]), 1.0)
 
 
 def kv_scales(k_cache, k_scale, v_scale, placeholder):

@@ -59,8 +59,7 @@ class FastLaunch:
         self.compiled: dict[tuple, object] = {}
 
     def key(self, device_index: int, params: tuple, options: dict) -> tuple:
-        if len(params) != len(self.kinds):
-            raise TypeError(f"FastLaunch: {len(params)} parameters for a kernel of {len(self.kinds)}")
+        """Raises ValueError unless ``params`` has one value per kernel parameter."""
         return (device_index, tuple(_spec(v, c, s) for v, (c, s) in zip(params, self.kinds, strict=True)),
                 tuple(sorted(options.items())))
 
@@ -71,8 +70,6 @@ class FastLaunch:
         key = self.key(device_index, params, options)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.fn[grid](*params, **options)
-            if compiled is not None and hasattr(compiled, "run"):  # None / no launcher: interpreted
-                self.compiled[key] = compiled
+            self.compiled[key] = self.fn[grid](*params, **options)
             return
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*params)

@@ -366,7 +366,8 @@ def _descriptors(q, k_cache, v_cache):
     return q_desc, k_desc, v_desc
 
 
-_launch: FastLaunch | None = None  # built on first use (never under the interpreter)
+# The kernel without Triton's per-call binding (Gluon never runs under the interpreter).
+_launch = FastLaunch(_prefill_gluon_kernel) if gluon is not None else None
 
 
 def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
@@ -376,7 +377,6 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     (``checked``: the caller just asked it). ``persistent``: one program per SM walks the
     work items (heaviest first) round robin, so a program's next Q and K/V load while it
     stores the last output."""
-    global _launch
     if not checked and not gluon_applies(q, k_cache, v_cache):
         raise ValueError("prefill_attention_gluon: needs Hopper, bf16, d64/d128, page-128 blocks "
                          "(check gluon_applies first)")
@@ -391,8 +391,6 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     n_work = n_m * bsz * h_q
     nprog = min(n_work, sm_count(q.device, cpu=132)) if persistent else n_work
     q_desc, k_desc, v_desc = _descriptors(q, k_cache, v_cache)
-    if _launch is None:
-        _launch = FastLaunch(_prefill_gluon_kernel)
     _launch(q.device.index, (nprog,), (
         q_desc, k_desc, v_desc, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_q, n_m, n_work, nprog, out.stride(0), out.stride(1),
