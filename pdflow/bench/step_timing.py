@@ -127,7 +127,7 @@ def _time_shard(model_overrides, device: str, tp: int, threads: int, points: dic
         return timed_s(lambda: layer(x, residual, positions, meta, fused))
 
     dense = {t: dense_s(t) for t in points["prefill"]}
-    attention = {t: attention_s(_prefill_meta(t, bs, dev)[0], t) for t in points["prefill"]}
+    attention = {t: attention_s(_prefill_meta(t, bs, dev), t) for t in points["prefill"]}
     decode = {c: {b: layer_s(*_decode_meta(b, c, bs, dev)) for b in points["batches"]} for c in points["contexts"]}
     head = {r: _head_s(model, r, tp, cfg, dev, dtype, fused, sync, timed) for r in points["batches"]}
     return ShardTimes(tp=tp, threads=threads, dense_s=dense, prefill_attention_s=attention, decode_s=decode,
@@ -141,12 +141,11 @@ def _prefill_meta(tokens: int, bs: int, dev):
     from pdflow.attention.metadata import AttentionMetadata
 
     blocks = math.ceil(tokens / bs)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         decode_only=False, slot_mapping=torch.arange(tokens, device=dev),
         cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
         context_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], max_seqlen_q=tokens)
-    return meta, torch.arange(tokens, device=dev)
 
 
 def _decode_meta(batch: int, context: int, bs: int, dev):
