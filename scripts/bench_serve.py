@@ -46,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=0,
                    help="client processes sharing the load (0: client_procs_for: at least one per 16 "
                         "streams, and up to one per stream on half the host's cores)")
-    return p.parse_args()
+    args = p.parse_args()
+    args.client_procs = args.client_procs or client_procs_for(args.concurrency)
+    return args
 
 
 def client_procs_for(concurrency: int, cores: int | None = None) -> int:
@@ -131,7 +133,7 @@ def _drive(args, target, reqs, drive):
     out near 10-20k SSE events/s: the load generator must not be what is measured)."""
     import multiprocessing as mp
 
-    procs = args.client_procs or client_procs_for(args.concurrency)
+    procs = args.client_procs
     if procs == 1:
         if args.no_stream:
             return asyncio.run(drive_plain(target.url, target.model, reqs, concurrency=args.concurrency))
@@ -160,11 +162,12 @@ def _pct(values: list[float], q: float) -> float:
 
 def report(args, offline_tokens: int, offline_s: float, results: list, served_s: float) -> None:
     import platform
-    import subprocess
+
+    from pdflow.tracking.tags import git_tags
 
     served_tokens = sum(r.completion_tokens for r in results if r.ok)
     same = all(r.ok for r in results) and served_tokens == offline_tokens
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_tags().get("pdflow.git_commit", "unknown")[:7]  # PDFLOW_GIT_COMMIT names a copied tree's
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
     itl = [gap for r in results for gap in r.itl_s]
     import torch
@@ -173,7 +176,7 @@ def report(args, offline_tokens: int, offline_s: float, results: list, served_s:
     print(f"front {args.front} (api servers {args.api_servers}), {'not ' if args.no_stream else ''}streamed, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, commit {commit}")
     print(f"requests {args.requests}, prompt {args.prompt_len}, output {args.output_len}, "
-          f"concurrency {args.concurrency}, client processes {args.client_procs or client_procs_for(args.concurrency)}")
+          f"concurrency {args.concurrency}, client processes {args.client_procs}")
     print(f"offline              : {offline_tokens / offline_s:8.1f} output tok/s ({offline_s:.2f} s)")
     print(f"OpenAI API over HTTP : {served_tokens / served_s:8.1f} output tok/s ({served_s:.2f} s); "
           f"TTFT p50 {_pct(ttft, .5):.1f} p99 {_pct(ttft, .99):.1f} ms, ITL p50 {_pct(itl, .5):.1f} "
