@@ -91,7 +91,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    SW: tl.constexpr, F8_COLUMNS: tl.constexpr,
+    SW: tl.constexpr, F8_COLUMNS: tl.constexpr, F8_F16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -121,6 +121,8 @@ def _paged_split_kernel(
         ek_next = row_scales(ks_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
         ev_next = row_scales(vs_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
         blk_next = scale_rows(bt_row, start + BLOCK_N, end, PAGE, PPB, BLOCK_N, SW)
+        # fp16 dots: e4m3 -> fp16 is one cvt per two values (-> bf16 takes a second)
+        q8 = q.to(tl.float16) if F8_F16 else q
     # The paged context: the same loop as plain decode (loads straight into the dot).
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -137,7 +139,7 @@ def _paged_split_kernel(
             sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
             v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_step_fp8(q, k_t.to(q.dtype), v.to(q.dtype), sk, sv, ok, m_i, l_i,
+            m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
             k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
@@ -204,7 +206,7 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, fp8_columns=False,
+    num_warps=None, num_stages=None, out=None, fp8_columns=False, fp8_f16=False,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
@@ -214,7 +216,9 @@ def paged_attention(
     ``fp8_columns``: the fp8 variant that converts tiles only (K loaded transposed) and
     applies the scales to score and p columns, reading them a page row at a time
     (``_online_step_fp8``, exact; compiled for sm_90 its K tile no longer shuffles
-    through shared memory; not yet measured on the GPU: off by default)."""
+    through shared memory; not yet measured on the GPU: off by default). ``fp8_f16``: with
+    ``fp8_columns``, q and the tiles in fp16 for the dots (e4m3 and a bf16 q are exact in
+    fp16 within its range; one conversion per two values instead of two)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -270,6 +274,7 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_COLUMNS=quant and fp8_columns,
+        F8_F16=quant and fp8_columns and fp8_f16 and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -193,6 +193,22 @@ def test_fp8_columns_reads_scales_ahead_across_many_tiles(splits):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16-dots", "f16-dots"])
+def test_fp8_columns_with_a_bf16_query(f16):
+    """A bf16 q (the GPU's dtype): the columns variant's dots in bf16 or, with ``fp8_f16``,
+    in fp16 (e4m3 and bf16 values are exact there) stay within bf16's rounding of the
+    reference, and another head's scales are caught."""
+    kc, vc, ks, vs = (c.to(DEV) for c in _filled())
+    q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(8)).bfloat16()
+    want = ref.decode_attention(q.double(), *(c.cpu() for c in (kc, vc)), LENS, BT, 0.125, ks.cpu(), vs.cpu())
+    args = (q.to(DEV), kc, vc, LENS.to(DEV), BT.to(DEV), 0.125)
+    got = decode_attention(*args, ks, vs, fp8_columns=True, fp8_f16=f16)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
+    wrong = decode_attention(*args, _other_heads(ks).contiguous(), _other_heads(vs).contiguous(),
+                             fp8_columns=True, fp8_f16=f16)
+    assert (wrong.cpu().double() - want).abs().max() > 5e-2
+
+
 def test_triton_block_attention_equals_the_reference():
     kc, vc, ks, vs = (c.to(DEV) for c in _filled())
     gen = torch.Generator().manual_seed(6)
@@ -304,13 +320,14 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     def rel(x, y):
         return float((x.double() - y.double()).norm() / y.double().norm())
 
+    variants = ({}, {"fp8_columns": True}, {"fp8_columns": True, "fp8_f16": True})
     for splits in (1, 4):
-        for columns in (False, True):
-            got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, fp8_columns=columns)
-            assert rel(got_d, want_d) < 1e-2, (splits, columns)
-    for columns in (False, True):
+        for v in variants:
+            got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, **v)
+            assert rel(got_d, want_d) < 1e-2, (splits, v)
+    for v in variants:
         wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
-                                 _other_heads(vs).contiguous(), fp8_columns=columns)
+                                 _other_heads(vs).contiguous(), **v)
         assert rel(wrong, want_d) > 5e-2
     qb = torch.randn(5, 4, h_q, d, generator=gen).cuda().bfloat16()
     xk, xv = (torch.randn(5, 4, h_kv, d, generator=gen).cuda().bfloat16() for _ in range(2))
