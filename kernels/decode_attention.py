@@ -11,9 +11,13 @@ optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
 block, see block_attention.py): the last split attends to them in one extra tile after
 its context loop, so the context loop is exactly the decode loop (mixing the block
 tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
-An fp8 cache (``k_scale``/``v_scale`` given) is dequantized in registers as it is loaded:
-each token-head's byte exponent (at its element offset / D) times the e4m3 values, exact
-in q's dtype, so the dots and the softmax are the 16-bit path's (kernels/kv_quant.py).
+An fp8 cache (``k_scale``/``v_scale`` given) is only converted (e4m3 is exact in 16 bits;
+a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per two values
+and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does;
+each token-head's power-of-two scale (its byte exponent, kernels/kv_quant.py) is applied to
+the score and p columns instead of every element: the same products. The scale bytes are
+read a page row at a time, a tile ahead (1.17-1.24x the per-element dequantization on the
+H200: bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from ._common import (
     dot_precision,
     interpreting,
     kv_scales,
-    load_kv,
     mma,
     page_offsets,
     row_scales,
@@ -91,7 +94,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    SW: tl.constexpr, F8_COLUMNS: tl.constexpr, F8_F16: tl.constexpr = False,
+    SW: tl.constexpr, F8_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -116,7 +119,7 @@ def _paged_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * s_bt
-    if F8_COLUMNS:  # scale bytes a tile ahead, their blocks two ahead (plain loads, by hand)
+    if QUANT:  # scale bytes a tile ahead, their blocks two ahead (plain loads, by hand)
         blk_next = scale_rows(bt_row, start, end, PAGE, PPB, BLOCK_N, SW)
         ek_next = row_scales(ks_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
         ev_next = row_scales(vs_ptr, blk_next, start, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
@@ -129,7 +132,7 @@ def _paged_split_kernel(
         ok = pos < end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
-        if F8_COLUMNS:
+        if QUANT:
             ek = ek_next
             ev = ev_next
             ek_next = row_scales(ks_ptr, blk_next, n0 + BLOCK_N, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
@@ -142,8 +145,8 @@ def _paged_split_kernel(
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
-            k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
-            v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+            k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.
@@ -206,19 +209,13 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, fp8_columns=False, fp8_f16=False,
+    num_warps=None, num_stages=None, out=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
-    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8).
-    ``fp8_columns``: the fp8 variant that converts tiles only (K loaded transposed) and
-    applies the scales to score and p columns, reading them a page row at a time
-    (``_online_step_fp8``, exact; compiled for sm_90 its K tile no longer shuffles
-    through shared memory; not yet measured on the GPU: off by default). ``fp8_f16``: with
-    ``fp8_columns``, q and the tiles in fp16 for the dots (e4m3 and a bf16 q are exact in
-    fp16 within its range; one conversion per two values instead of two)."""
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -273,8 +270,7 @@ def paged_attention(
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
-        QUANT=quant, SW=min(page, block_n), F8_COLUMNS=quant and fp8_columns,
-        F8_F16=quant and fp8_columns and fp8_f16 and q.dtype == torch.bfloat16,
+        QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

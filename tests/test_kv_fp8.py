@@ -153,27 +153,25 @@ def test_triton_store_bf16_input_writes_the_references_bytes():
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("columns", [False, True], ids=["dequant", "columns"])
-def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(splits, columns):
-    """Both fp8 variants (``fp8_columns``: scales on score/p columns, read a page row at a
-    time; tiles of 128 span pages of 16, so rows of the scale read cross pages)."""
+def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(splits):
+    """Scales on score/p columns, read a page row at a time (tiles of 128 span pages of 16,
+    so rows of the scale read cross pages)."""
     kc, vc, ks, vs = (c.to(DEV) for c in _filled())
     q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(5)).to(DEV)
     bt, lens = BT.to(DEV), LENS.to(DEV)
     want = ref.decode_attention(q.cpu(), *(c.cpu() for c in (kc, vc)), LENS, BT, 0.125, ks.cpu(), vs.cpu())
-    got = decode_attention(q, kc, vc, lens, bt, 0.125, ks, vs, num_splits=splits, fp8_columns=columns)
+    got = decode_attention(q, kc, vc, lens, bt, 0.125, ks, vs, num_splits=splits)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     wrong = decode_attention(q, kc, vc, lens, bt, 0.125, _other_heads(ks).contiguous(),
-                             _other_heads(vs).contiguous(), num_splits=splits, fp8_columns=columns)
+                             _other_heads(vs).contiguous(), num_splits=splits)
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_fp8_columns_reads_scales_ahead_across_many_tiles(splits):
-    """The columns variant reads each tile's scales a tile ahead and their blocks two
-    ahead: contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a
-    context ending mid-tile and one of a single token, equal the reference and the
-    default variant."""
+def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
+    """The decode reads each tile's scales a tile ahead and their blocks two ahead:
+    contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a context
+    ending mid-tile and one of a single token, equal the reference."""
     nb, h, page, ppb, d = 40, 2, 16, 2, 64
     gen = torch.Generator().manual_seed(9)
     n = nb * ppb * page
@@ -187,25 +185,21 @@ def test_fp8_columns_reads_scales_ahead_across_many_tiles(splits):
     lens = torch.tensor([384, 301, 1], dtype=torch.int32)
     q = torch.randn(3, 4, d, generator=gen)
     want = ref.decode_attention(q, kc.cpu(), vc.cpu(), lens, bt, 0.125, ks.cpu(), vs.cpu())
-    for columns in (False, True):
-        got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs,
-                               num_splits=splits, fp8_columns=columns)
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+    got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs, num_splits=splits)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("f16", [False, True], ids=["bf16-dots", "f16-dots"])
-def test_fp8_columns_with_a_bf16_query(f16):
-    """A bf16 q (the GPU's dtype): the columns variant's dots in bf16 or, with ``fp8_f16``,
-    in fp16 (e4m3 and bf16 values are exact there) stay within bf16's rounding of the
-    reference, and another head's scales are caught."""
+def test_fp8_decode_with_a_bf16_query():
+    """A bf16 q (the GPU's dtype; the dots then run in fp16, where e4m3 and bf16 values
+    are exact) stays within bf16's rounding of the reference; another head's scales are
+    caught."""
     kc, vc, ks, vs = (c.to(DEV) for c in _filled())
     q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(8)).bfloat16()
     want = ref.decode_attention(q.double(), *(c.cpu() for c in (kc, vc)), LENS, BT, 0.125, ks.cpu(), vs.cpu())
     args = (q.to(DEV), kc, vc, LENS.to(DEV), BT.to(DEV), 0.125)
-    got = decode_attention(*args, ks, vs, fp8_columns=True, fp8_f16=f16)
+    got = decode_attention(*args, ks, vs)
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
-    wrong = decode_attention(*args, _other_heads(ks).contiguous(), _other_heads(vs).contiguous(),
-                             fp8_columns=True, fp8_f16=f16)
+    wrong = decode_attention(*args, _other_heads(ks).contiguous(), _other_heads(vs).contiguous())
     assert (wrong.cpu().double() - want).abs().max() > 5e-2
 
 
@@ -320,15 +314,12 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     def rel(x, y):
         return float((x.double() - y.double()).norm() / y.double().norm())
 
-    variants = ({}, {"fp8_columns": True}, {"fp8_columns": True, "fp8_f16": True})
     for splits in (1, 4):
-        for v in variants:
-            got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, **v)
-            assert rel(got_d, want_d) < 1e-2, (splits, v)
-    for v in variants:
-        wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
-                                 _other_heads(vs).contiguous(), **v)
-        assert rel(wrong, want_d) > 5e-2
+        got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits)
+        assert rel(got_d, want_d) < 1e-2, splits
+    wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
+                             _other_heads(vs).contiguous())
+    assert rel(wrong, want_d) > 5e-2
     qb = torch.randn(5, 4, h_q, d, generator=gen).cuda().bfloat16()
     xk, xv = (torch.randn(5, 4, h_kv, d, generator=gen).cuda().bfloat16() for _ in range(2))
     want_b = ref.block_attention(qb.double(), xk.double(), xv.double(), kc, vc, lens, bt, d**-0.5, ks, vs)

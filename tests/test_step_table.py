@@ -182,3 +182,15 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     assert tp2.step_s(4, 28, 4) == pytest.approx(0.06, abs=1e-4)  # rank processes: rows overlap their compute
     quieter = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.06, prompt_tokens=4, context=28)
     assert _table_overheads(prof.step_tables[0], 2, 8, one, quieter, 5e-4, 2e-4)[2] == pytest.approx(rank)
+
+
+def test_gpu_points_stop_at_the_models_positions():
+    """The GPU table's 8192-token prefill point is past the tiny model's 4096 positions:
+    timing it read RoPE's table out of bounds on the H200 (an illegal memory access)."""
+    from pdflow.bench.step_timing import GPU_POINTS, points_within
+
+    tiny = points_within(GPU_POINTS, 4096)
+    assert max(tiny["prefill"]) <= 4096 and max(tiny["contexts"]) <= 4096
+    assert tiny["batches"] == GPU_POINTS["batches"]
+    assert points_within(GPU_POINTS, 40960) == GPU_POINTS
+    assert points_within({"prefill": (8192,), "batches": (1,), "contexts": (8192,)}, 4096)["prefill"] == (4096,)

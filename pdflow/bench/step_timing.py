@@ -30,6 +30,13 @@ def shard_plan(tps: tuple[int, ...], cores: int, device: str) -> list[tuple[int,
     return sorted({(tp, max(1, cores // (tp * pp))) for tp in tps for pp in PIPELINE_DEPTHS})
 
 
+def points_within(points: dict, max_model_len: int) -> dict:
+    """The token counts a model can hold: past its positions RoPE's table has no row (on a
+    GPU the fused kernel reads out of bounds; the tiny model holds 4096, GPU_POINTS go to 8192)."""
+    fits = {k: tuple(t for t in v if k == "batches" or t <= max_model_len) for k, v in points.items()}
+    return {k: v or (max_model_len,) for k, v in fits.items()}
+
+
 @contextlib.contextmanager
 def _one_rank_group(device: str):
     """A process group of this process alone, so a TP shard's row-parallel layers run
@@ -55,7 +62,7 @@ def measure_step_table(model_overrides: list[str], device: str, tps: tuple[int, 
     from pdflow.spec.load import compose_spec
 
     spec = compose_spec([*model_overrides, "model.path=null", "mode=monolithic", "drafter=none", "tracking=off"])
-    points = CPU_POINTS if device == "cpu" else GPU_POINTS
+    points = points_within(CPU_POINTS if device == "cpu" else GPU_POINTS, spec.model.max_model_len)
     shards = []
     threads_before = torch.get_num_threads()
     with _one_rank_group(device) if max(tps) > 1 else contextlib.nullcontext():

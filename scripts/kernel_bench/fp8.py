@@ -78,11 +78,6 @@ def check_fp8(run) -> None:
             want = ref.decode_attention(q.double(), kc, vc, cl, bt, d**-0.5, ks, vs)
             got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
             check_close(run, f"fp8 decode page{page} splits{splits}", got, want, DT)
-            got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits, fp8_columns=True)
-            check_close(run, f"fp8 decode columns page{page} splits{splits}", got, want, DT)
-            got = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits, fp8_columns=True,
-                                   fp8_f16=True)
-            check_close(run, f"fp8 decode columns f16 page{page} splits{splits}", got, want, DT)
         kb = 4
         qb = T.randn(len(lens), kb, hq, d, dtype=DT, device=dev)
         xk, xv = (T.randn(len(lens), kb, hkv, d, dtype=DT, device=dev) for _ in range(2))
@@ -109,15 +104,6 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
-            cols = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, fp8_columns=True))
-            run.add("decode triton fp8 kv columns", f"B{b} ctx{ctx} page{page}", cols,
-                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                    note="vs_baseline: the default fp8 decode (fp8_columns=False)")
-            f16 = run.time_ms(partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, fp8_columns=True,
-                                      fp8_f16=True))
-            run.add("decode triton fp8 kv columns f16", f"B{b} ctx{ctx} page{page}", f16,
-                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                    note="vs_baseline: the default fp8 decode (fp8_columns=False)")
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
