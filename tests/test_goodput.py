@@ -14,7 +14,7 @@ import pytest
 
 from pdflow.bench.workloads import Target
 from pdflow.bench.workloads.base import RequestResult, WorkRequest
-from pdflow.bench.workloads.goodput import at_rate, attainment, meets, search
+from pdflow.bench.workloads.goodput import at_rate, attainment, meets, search, sustained
 from pdflow.bench.workloads.runner import goodput_of
 from pdflow.spec import SloSpec, WorkloadSpec
 
@@ -137,3 +137,31 @@ def test_goodput_converges_to_the_stub_servers_capacity(stub_server):
     capacity = 1 / SERVICE_S
     assert 0.7 * capacity <= found.goodput <= 1.3 * capacity, found.probes
     assert any(p.attainment < slo.attainment for p in found.probes)  # it saw the knee
+
+
+def test_a_sustained_probe_repeats_untimed_requests_and_leaves_a_trace_alone():
+    reqs = [WorkRequest(prompt=[i], max_tokens=1) for i in range(3)]
+    assert sustained(reqs, 10.0, None) is reqs
+    out = sustained(reqs, 10.0, 1.5)
+    assert [r.prompt for r in out] == [[0], [1], [2]] * 5
+    assert sustained(reqs, 1.0, 1.5) == reqs  # never fewer than the workload's
+    trace = [WorkRequest(prompt=[i], max_tokens=1, arrival_s=float(i)) for i in range(3)]
+    assert sustained(trace, 10.0, 1.5) is trace
+    with pytest.raises(ValueError, match="probe_s"):
+        SloSpec(ttft_s=1.0, probe_s=0.0)
+
+
+def test_a_burst_hides_the_capacity_a_sustained_probe_finds(stub_server):
+    """Four requests at any rate finish within the SLO on the 20/s stub (the fourth waits
+    ~150 ms of 200): goodput without ``probe_s`` is the search's cap, not the server's
+    capacity. With ``probe_s`` each rate lasts 1.5 s and the search lands near 20/s."""
+    requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(4)]
+    capacity = 1 / SERVICE_S
+    found = {}
+    for probe_s in (None, 1.5):
+        slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=8.0, max_rate=64.0, rel_tol=0.1,
+                      max_probes=8, arrivals="uniform", probe_s=probe_s)
+        spec = WorkloadSpec(kind="serve", num_requests=4, slo=slo, progress=False)
+        found[probe_s] = asyncio.run(goodput_of(Target(url=stub_server, model="stub"), requests, spec))
+    assert found[None].goodput >= 2 * capacity, found[None].probes
+    assert 0.7 * capacity <= found[1.5].goodput <= 1.3 * capacity, found[1.5].probes

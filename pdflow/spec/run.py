@@ -41,6 +41,10 @@ class SloSpec:
     max_probes: int = 8
     # How a probe spaces its requests at the rate: Poisson, or evenly (a sharp knee).
     arrivals: str = "poisson"
+    # A probe sends at least rate x probe_s requests (the workload's, repeated): a burst of
+    # a few requests is absorbed by any server, a sustained rate shows its capacity. null:
+    # the workload's requests once at every rate.
+    probe_s: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -57,6 +61,8 @@ class SloSpec:
             raise ValueError("workload.slo needs 0 < start_rate <= max_rate (requests per second)")
         if not 0 < self.rel_tol < 1 or self.max_probes < 1:
             raise ValueError("workload.slo needs 0 < rel_tol < 1 and max_probes >= 1")
+        if self.probe_s is not None and self.probe_s <= 0:
+            raise ValueError("workload.slo.probe_s must be positive seconds (or null: the requests once a rate)")
         if self.arrivals not in ARRIVALS:
             raise ValueError(f"workload.slo.arrivals {self.arrivals!r} is not one of {ARRIVALS}")
 

@@ -11,6 +11,7 @@ defines goodput the same way.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,16 @@ def at_rate(requests: list[WorkRequest], rate: float, *, arrivals: str, seed: in
     return out
 
 
+def sustained(requests: list[WorkRequest], rate: float, probe_s: float | None) -> list[WorkRequest]:
+    """At least ``rate * probe_s`` requests, the workload's repeated in order (``at_rate``
+    spaces them); the requests as they are without ``probe_s`` or for a timed trace (its
+    own shape and length)."""
+    if probe_s is None or not requests or any(r.arrival_s is not None for r in requests):
+        return requests
+    n = max(len(requests), math.ceil(rate * probe_s))
+    return [replace(requests[i % len(requests)], arrival_s=None) for i in range(n)]
+
+
 async def search(measure: Callable[[float], Awaitable[float]], slo: SloSpec) -> GoodputResult:
     """Ramp, then bisect; ``measure(rate)`` returns the attainment at that rate."""
     probes: list[Probe] = []
@@ -111,6 +122,7 @@ def make_probe(send: Callable[[list[WorkRequest]], Awaitable[list[RequestResult]
     """``measure(rate)`` for ``search``: send the requests at the rate, score them."""
 
     async def measure(rate: float) -> float:
-        return attainment(await send(at_rate(requests, rate, arrivals=slo.arrivals, seed=seed)), slo)
+        return attainment(await send(at_rate(sustained(requests, rate, slo.probe_s), rate, arrivals=slo.arrivals,
+                                             seed=seed)), slo)
 
     return measure
