@@ -10,6 +10,7 @@ profile, measured at the start of this run unless ``--profile FILE`` is given.
 
   python scripts/bench_estimate.py                       # CPU, tiny model, the CPU points
   python scripts/bench_estimate.py --points gpu --device cuda   # one H200 (see bench/RESULTS.md)
+  python scripts/bench_estimate.py --points gpu --profile P --measured M.json   # a new profile, the same runs
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--save", default=None, help="write what was measured here (JSON, by point number)")
+    parser.add_argument("--measured", default=None,
+                        help="compare against a --save file instead of serving again (a new profile, same points)")
     args = parser.parse_args()
     from pdflow.bench.profile import MachineProfile, measure
     from pdflow.serve.step_probe import served_probe
@@ -114,9 +118,14 @@ def main() -> int:
     print("| point | prefill tok/s est | measured | est/meas | decode tok/s est | measured | est/meas |")
     print("|---|---|---|---|---|---|---|")
     within, total = 0, 0
+    measured, saved = json.loads(Path(args.measured).read_text()) if args.measured else {}, {}
     for i in chosen:
         overrides = points[i]
-        est, got = estimate_point(overrides, profile, args), measure_point(overrides, args)
+        est = estimate_point(overrides, profile, args)
+        got = measured[str(i)] if args.measured else measure_point(overrides, args)
+        saved[str(i)] = got
+        if args.save:
+            Path(args.save).write_text(json.dumps(saved, indent=1))
         if "error" in got:
             print(f"| {' '.join(overrides)} | failed: {got['error']!r} |", flush=True)
             continue
