@@ -180,6 +180,12 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=priced, role=CONSUMER)
     assert tp2.step_s(1, 28, 1) == pytest.approx(0.06, abs=1e-4)  # + the activations over the link
     assert tp2.step_s(4, 28, 4) == pytest.approx(0.06, abs=1e-4)  # rank processes: rows overlap their compute
+    together = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, batch_ttft_s=0.12,
+                           prompt_tokens=4, context=28)
+    # 4 one-token requests at once: the batch step's compute (16 tokens over 4 rows: the decode
+    # row), the step and 3 rows' cost, the rest split 4 ways
+    assert _table_overheads(prof.step_tables[0], 2, 8, together, two, 5e-4, 2e-4)[3] == pytest.approx(
+        (0.12 - step - 3 * row - (8 * 1e-3 + 5e-4)) / 4)
     quieter = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.06, prompt_tokens=4, context=28)
     assert _table_overheads(prof.step_tables[0], 2, 8, one, quieter, 5e-4, 2e-4)[2] == pytest.approx(rank)
 

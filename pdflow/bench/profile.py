@@ -45,6 +45,9 @@ class ServedProbe:
     ttft_s: float
     batch: int = 1  # streams at once for ``batch_step_s``
     batch_step_s: float = 0.0  # the median gap with ``batch`` streams (0: not measured)
+    # ``batch`` one-token requests at once: the median time to the last first token (0: not
+    # measured); what a request costs when they come together, as a workload sends them
+    batch_ttft_s: float = 0.0
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
 
@@ -284,6 +287,11 @@ def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe
     if one.batch > 1 and one.batch_step_s > 0:
         row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
     request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
+    if one.batch > 1 and one.batch_ttft_s > 0:  # a request's share of a batch of them (a lone one
+        # swung 10-40 ms run to run on 2 cores where 4 at once cost ~43 ms each)
+        tokens = one.batch * one.prompt_tokens
+        request = max(0.0, (one.batch_ttft_s - step - (one.batch - 1) * row
+                            - compute(1, tokens, one.batch, one.prompt_tokens // 2 + 1)) / one.batch)
     rank_step = 0.0
     if two is not None:  # rank processes: rows' host work overlaps their compute (4 streams cost
         # no more than 1 as measured), so the quieter of the two medians is the step (as
