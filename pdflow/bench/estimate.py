@@ -176,6 +176,8 @@ class Pricer:
         if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
             crowd = max(1.0, inst.tp / prof.cores) if prof.device == "cpu" else 1.0
             rank_step = prof.table_rank_step_overhead_s if by_table else prof.rank_step_overhead_s
+            if by_table and str(inst.tp) in prof.table_rank_step_by_tp:  # measured as served, crowd and all
+                crowd, rank_step = 1.0, prof.table_rank_step_by_tp[str(inst.tp)]
             ranks = prof.rank_message_s + inst.pp * crowd * rank_step
         return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
 

@@ -45,6 +45,9 @@ class ServedProbe:
     ttft_s: float
     batch: int = 1  # streams at once for ``batch_step_s``
     batch_step_s: float = 0.0  # the median gap with ``batch`` streams (0: not measured)
+    # ``batch`` one-token requests at once: the median time to the last first token (0: not
+    # measured); what a request costs when they come together, as a workload sends them
+    batch_ttft_s: float = 0.0
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
 
@@ -87,6 +90,9 @@ class MachineProfile:
     table_row_overhead_s: float = 0.0
     table_rank_step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    # TP degree -> its rank step work measured as served where ranks outnumber the cores
+    # (their crowding is in it), instead of the TP2 figure scaled by the crowd rule.
+    table_rank_step_by_tp: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,27 +276,39 @@ def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
 
 
 def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,
-                     allreduce: float, rank_message: float) -> tuple[float, float, float, float]:
-    """(step, row, rank step, request) overheads: what the served tiny model's steps and
-    first token took beyond their table-priced compute (and, TP2, collectives), >= 0."""
+                     allreduce: float, rank_message: float, more: dict[int, ServedProbe] | None = None):
+    """(step, row, rank step, request, rank step by TP degree of ``more``) overheads: what
+    the served tiny model's steps and first token took beyond their table-priced compute
+    (and, with rank processes, collectives), >= 0."""
     def compute(tp: int, tokens: int, rows: int, context: int) -> float:
-        shard = table.shard(tp, max(1, cores // tp))
+        """As the estimate prices it: ranks beyond the cores take turns (``Pricer._stage_s``)."""
+        threads = max(1, cores // tp)
+        shard = table.shard(tp, threads)
         if shard is None:
             return 0.0
-        return layers * shard.layer_s(tokens, rows, context) + interpolate(shard.head_s, rows)
+        crowd = max(1.0, tp * threads / cores)
+        return crowd * (layers * shard.layer_s(tokens, rows, context) + interpolate(shard.head_s, rows))
 
     step = max(0.0, one.step_s - compute(1, 1, 1, one.context))
     row = 0.0
     if one.batch > 1 and one.batch_step_s > 0:
         row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
     request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
-    rank_step = 0.0
-    if two is not None:  # rank processes: rows' host work overlaps their compute (4 streams cost
-        # no more than 1 as measured), so the quieter of the two medians is the step (as
-        # every rate here is the best of a few: a TP2 median moved 40 -> 61 ms run to run)
-        served = min(two.step_s, two.batch_step_s) if two.batch_step_s > 0 else two.step_s
-        rank_step = max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(2, 1, 1, two.context))
-    return step, row, rank_step, request
+    if one.batch > 1 and one.batch_ttft_s > 0:  # a request's share of a batch of them (a lone one
+        # swung 10-40 ms run to run on 2 cores where 4 at once cost ~43 ms each)
+        tokens = one.batch * one.prompt_tokens
+        request = max(0.0, (one.batch_ttft_s - step - (one.batch - 1) * row
+                            - compute(1, tokens, one.batch, one.prompt_tokens // 2 + 1)) / one.batch)
+    def rank_step(probe: ServedProbe | None, tp: int) -> float:
+        """Rank processes: rows' host work overlaps their compute (4 streams cost no more
+        than 1 as measured), so the quieter of the two medians is the step (as every rate
+        here is the best of a few: a TP2 median moved 40 -> 61 ms run to run)."""
+        if probe is None:
+            return 0.0
+        served = min(probe.step_s, probe.batch_step_s) if probe.batch_step_s > 0 else probe.step_s
+        return max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(tp, 1, 1, probe.context))
+
+    return step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()}
 
 
 def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
@@ -333,10 +351,14 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     rank_message = _pipe_round_trip()
     one = step_probe(device, 1) if step_probe else None
     two = step_probe(device, 2) if step_probe and device == "cpu" else None
+    # more ranks than cores: measured as served rather than scaled from TP2 (a rule that
+    # priced a TP4 step at 45-55 ms where it took ~130)
+    more = {4: step_probe(device, 4)} if two is not None and cores < 4 else {}
     layers = compose_spec(["model=tiny"]).model.layers
     rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
-    table_step, table_row, table_rank, request = (
-        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message) if one else (0.0,) * 4)
+    table_step, table_row, table_rank, request, rank_by_tp = (
+        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message, more) if one
+        else (0.0, 0.0, 0.0, 0.0, {}))
     return MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
@@ -344,7 +366,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         step_overhead_s=_step_overhead(one.step_s, gemm, mem) if one else 0.0,
         allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
         version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
-        table_rank_step_overhead_s=table_rank, request_overhead_s=request,
+        table_rank_step_overhead_s=table_rank, request_overhead_s=request, table_rank_step_by_tp=rank_by_tp,
     )
 
 

@@ -1,7 +1,8 @@
 """The served engine's decode step and first token, for ``pdflow profile``: the shipped
 tiny model served alone (one rank, this device), one streamed request of a 4-token
 prompt; the median gap between its tokens is one decode step as ``pdflow run`` sees it
-(engine loop, API and stream included), its TTFT what a request costs end to end.
+(engine loop, API and stream included), its TTFT what a request costs end to end, alone
+and ``BATCH`` at once.
 With two rank processes, what a step costs beyond its compute and collectives is the
 rank processes' own per-step work (message, wake-up, tensors from the step's lists)."""
 
@@ -35,7 +36,10 @@ def served_probe(device: str, tp: int = 1) -> ServedProbe:
         short = WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)
         firsts, _ = asyncio.run(drive(target, [short] * 5, concurrency=1, timeout_s=600, progress=False))
         batch, _ = asyncio.run(drive(target, [request] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))
+        rounds = [asyncio.run(drive(target, [short] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))[0]
+                  for _ in range(5)]
     return ServedProbe(step_s=percentile(results[0].itl_s, 50),
                        batch=BATCH, batch_step_s=percentile([g for r in batch for g in r.itl_s], 50),
                        ttft_s=percentile([r.ttft_s for r in firsts if r.ttft_s is not None], 50),
+                       batch_ttft_s=percentile([max(r.ttft_s or 0.0 for r in got) for got in rounds], 50),
                        prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2)
