@@ -108,6 +108,12 @@ def test_the_served_request_cost_adds_to_ttft_and_to_each_row_of_a_prefill_step(
     assert alone == pytest.approx(0.02 + step)
     batched = 0.01 + 8 * (0.5e-3 + 4 * 0.5e-3) + 5e-4  # 4 prompts of 128: dense once, attention per prompt
     assert tok_s == pytest.approx(512 / (batched + 4 * 0.02))
+    # and the part that grows with the prompt: 128 tokens x 0.1 ms on every request
+    grows = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), role=CONSUMER,
+                   profile=_tiny_profile(request_overhead_s=0.02, request_overhead_per_token_s=1e-4))
+    alone, tok_s = grows.prefill(128, concurrent=4)
+    assert alone == pytest.approx(0.02 + 0.0128 + step)
+    assert tok_s == pytest.approx(512 / (batched + 4 * (0.02 + 0.0128)))
 
 
 def test_a_table_for_another_model_or_thread_count_falls_back_to_the_gemm_model(capsys):
@@ -170,7 +176,9 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     one = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, prompt_tokens=4, context=28)
     two = ServedProbe(step_s=0.06, ttft_s=0.09, prompt_tokens=4, context=28)
     four = ServedProbe(step_s=0.13, ttft_s=0.2, prompt_tokens=4, context=28)
-    step, row, rank, request, by_tp = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4, {4: four})
+    step, row, rank, request, by_tp, per_token = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4,
+                                                                  {4: four})
+    assert per_token == 0.0  # no long-prompt rounds
     # 4 ranks on 2 cores take turns: twice the shard's compute
     assert by_tp == {"4": pytest.approx(0.13 - step - 2e-4 - 2 * 8 * 5e-4 - 2 * (8 * 4e-3 + 8e-4))}
     assert step == pytest.approx(0.02 - (8 * 1e-3 + 5e-4))
@@ -197,6 +205,13 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     # row), the step and 3 rows' cost, the rest split 4 ways
     assert _table_overheads(prof.step_tables[0], 2, 8, together, two, 5e-4, 2e-4)[3] == pytest.approx(
         (0.12 - step - 3 * row - (8 * 1e-3 + 5e-4)) / 4)
+    together_long = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, batch_ttft_s=0.12,
+                                prompt_tokens=4, context=28, long_prompt_tokens=128, batch_long_ttft_s=0.3)
+    # 4 prompts of 128: dense at 512 tokens + 4 prompts' attention at 128, a layer, 8 layers + head
+    got = _table_overheads(prof.step_tables[0], 2, 8, together_long, two, 5e-4, 2e-4)
+    short = (0.12 - step - 3 * row - (8 * 1e-3 + 5e-4)) / 4
+    long = (0.3 - step - 3 * row - (8 * (5e-4 + 4 * 5e-4) + 5e-4)) / 4
+    assert got[3] == pytest.approx(short) and got[5] == pytest.approx((long - short) / 124)
     quieter = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.06, prompt_tokens=4, context=28)
     assert _table_overheads(prof.step_tables[0], 2, 8, one, quieter, 5e-4, 2e-4)[2] == pytest.approx(rank)
 

@@ -205,7 +205,8 @@ class Pricer:
         up to ``max_num_batched_tokens`` a step and the pipeline full of steps)."""
         chunk = min(length, self.par.max_num_batched_tokens)
         chunks = math.ceil(length / chunk)
-        request = self.profile.request_overhead_s  # a served request's own cost, same cores
+        # a served request's own cost, same cores, and the part that grows with its prompt
+        request = self.profile.request_overhead_s + length * self.profile.request_overhead_per_token_s
         alone = request + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)

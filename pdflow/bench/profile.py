@@ -48,6 +48,8 @@ class ServedProbe:
     # ``batch`` one-token requests at once: the median time to the last first token (0: not
     # measured); what a request costs when they come together, as a workload sends them
     batch_ttft_s: float = 0.0
+    long_prompt_tokens: int = 0  # the same with prompts this long (0: not measured)
+    batch_long_ttft_s: float = 0.0
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
 
@@ -93,6 +95,9 @@ class MachineProfile:
     # TP degree -> its rank step work measured as served where ranks outnumber the cores
     # (their crowding is in it), instead of the TP2 figure scaled by the crowd rule.
     table_rank_step_by_tp: dict[str, float] = field(default_factory=dict)
+    # The part of a served request's cost that grows with its prompt, per prompt token
+    # (4 requests at once of 4 and of 128 tokens; what arrives a step late waits a step).
+    request_overhead_per_token_s: float = 0.0
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,11 +299,18 @@ def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe
     if one.batch > 1 and one.batch_step_s > 0:
         row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
     request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
+    def share(ttft: float, prompt: int) -> float:
+        """A request's share of a batch of them beyond their priced step."""
+        tokens = one.batch * prompt
+        return (ttft - step - (one.batch - 1) * row - compute(1, tokens, one.batch, prompt // 2 + 1)) / one.batch
+
+    per_token = 0.0
     if one.batch > 1 and one.batch_ttft_s > 0:  # a request's share of a batch of them (a lone one
         # swung 10-40 ms run to run on 2 cores where 4 at once cost ~43 ms each)
-        tokens = one.batch * one.prompt_tokens
-        request = max(0.0, (one.batch_ttft_s - step - (one.batch - 1) * row
-                            - compute(1, tokens, one.batch, one.prompt_tokens // 2 + 1)) / one.batch)
+        request = max(0.0, share(one.batch_ttft_s, one.prompt_tokens))
+        if one.long_prompt_tokens > one.prompt_tokens and one.batch_long_ttft_s > 0:
+            per_token = max(0.0, (share(one.batch_long_ttft_s, one.long_prompt_tokens) - request)
+                            / (one.long_prompt_tokens - one.prompt_tokens))
     def rank_step(probe: ServedProbe | None, tp: int) -> float:
         """Rank processes: rows' host work overlaps their compute (4 streams cost no more
         than 1 as measured), so the quieter of the two medians is the step (as every rate
@@ -308,7 +320,8 @@ def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe
         served = min(probe.step_s, probe.batch_step_s) if probe.batch_step_s > 0 else probe.step_s
         return max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(tp, 1, 1, probe.context))
 
-    return step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()}
+    return (step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()},
+            per_token)
 
 
 def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
@@ -356,9 +369,9 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     more = {4: step_probe(device, 4)} if two is not None and cores < 4 else {}
     layers = compose_spec(["model=tiny"]).model.layers
     rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
-    table_step, table_row, table_rank, request, rank_by_tp = (
+    table_step, table_row, table_rank, request, rank_by_tp, request_per_token = (
         _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message, more) if one
-        else (0.0, 0.0, 0.0, 0.0, {}))
+        else (0.0, 0.0, 0.0, 0.0, {}, 0.0))
     return MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
@@ -367,6 +380,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
         version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
         table_rank_step_overhead_s=table_rank, request_overhead_s=request, table_rank_step_by_tp=rank_by_tp,
+        request_overhead_per_token_s=request_per_token,
     )
 
 

@@ -17,6 +17,9 @@ from pdflow.spec.load import compose_spec
 TOKENS = 48
 PROMPT = [5, 6, 7, 8]
 BATCH = 4  # streams at once for the per-row cost of a step
+# A longer prompt for the part of a request's cost that grows with it (on 2 cores 4 prompts
+# of 128 tokens took ~50 ms beyond their priced compute where 4 of 4 tokens took ~17)
+LONG_PROMPT = [5 + i % 100 for i in range(128)]
 
 
 def served_probe(device: str, tp: int = 1) -> ServedProbe:
@@ -36,10 +39,17 @@ def served_probe(device: str, tp: int = 1) -> ServedProbe:
         short = WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)
         firsts, _ = asyncio.run(drive(target, [short] * 5, concurrency=1, timeout_s=600, progress=False))
         batch, _ = asyncio.run(drive(target, [request] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))
-        rounds = [asyncio.run(drive(target, [short] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))[0]
-                  for _ in range(5)]
+        def batch_ttft(prompt: list[int]) -> float:
+            """``BATCH`` one-token requests at once, 5 rounds: the median time to the last
+            first token."""
+            ask = WorkRequest(prompt=prompt, max_tokens=1, ignore_eos=True)
+            rounds = [asyncio.run(drive(target, [ask] * BATCH, concurrency=BATCH, timeout_s=600, progress=False))[0]
+                      for _ in range(5)]
+            return percentile([max(r.ttft_s or 0.0 for r in got) for got in rounds], 50)
+
+        together, together_long = batch_ttft(PROMPT), batch_ttft(LONG_PROMPT)
     return ServedProbe(step_s=percentile(results[0].itl_s, 50),
                        batch=BATCH, batch_step_s=percentile([g for r in batch for g in r.itl_s], 50),
                        ttft_s=percentile([r.ttft_s for r in firsts if r.ttft_s is not None], 50),
-                       batch_ttft_s=percentile([max(r.ttft_s or 0.0 for r in got) for got in rounds], 50),
+                       batch_ttft_s=together, long_prompt_tokens=len(LONG_PROMPT), batch_long_ttft_s=together_long,
                        prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2)
