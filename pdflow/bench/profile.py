@@ -313,11 +313,11 @@ def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe
                             / (one.long_prompt_tokens - one.prompt_tokens))
     def rank_step(probe: ServedProbe | None, tp: int) -> float:
         """Rank processes: rows' host work overlaps their compute (4 streams cost no more
-        than 1 as measured), so the quieter of the two medians is the step (as every rate
-        here is the best of a few: a TP2 median moved 40 -> 61 ms run to run)."""
+        than 1 as measured), so both medians measure the step: their mean (the quieter of
+        the two, taken before, priced TP2's rank work at 5-18 ms in consecutive profiles)."""
         if probe is None:
             return 0.0
-        served = min(probe.step_s, probe.batch_step_s) if probe.batch_step_s > 0 else probe.step_s
+        served = (probe.step_s + probe.batch_step_s) / 2 if probe.batch_step_s > 0 else probe.step_s
         return max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(tp, 1, 1, probe.context))
 
     return (step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()},

@@ -14,7 +14,7 @@ from pdflow.bench.profile import ServedProbe
 from pdflow.bench.workloads import Target, WorkRequest, drive
 from pdflow.spec.load import compose_spec
 
-TOKENS = 48
+TOKENS = 96  # gaps per stream: 48 left a TP2 step's median moving 2x between profiles
 PROMPT = [5, 6, 7, 8]
 BATCH = 4  # streams at once for the per-row cost of a step
 # A longer prompt for the part of a request's cost that grows with it (on 2 cores 4 prompts
