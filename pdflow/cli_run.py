@@ -25,9 +25,11 @@ from pdflow.graph.host import HostFacts, host_refusals, read_devices
 from pdflow.spec import TrackingSpec
 from pdflow.spec.load import spec_from_config
 from pdflow.tracking.callback import JOB_NAME, close_open_sweeps
+from pdflow.tracking.estimate_log import OBJECTIVE, PRUNED_TAG
 from pdflow.tracking.params import redact
 from pdflow.tracking.run_logger import TrackedRun
 from pdflow.tracking.tags import hardware_tags
+from pdflow.tracking.trial_cache import DUPLICATE_TAG, KEY_TAG, deployment_key, earlier_result
 
 if TYPE_CHECKING:
     from pdflow.bench.workloads.base import WorkloadResult
@@ -97,9 +99,16 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tree = OmegaConf.to_container(cfg, resolve=True)
-    tags = {"pdflow.command": "run", "pdflow.workload": str(tree.get("workload", {}).get("kind"))}
+    key = deployment_key(tree)
+    tags = {"pdflow.command": "run", "pdflow.workload": str(tree.get("workload", {}).get("kind")), KEY_TAG: key}
     with TrackedRun(_tracking_of(tree), run_name=_run_name(cfg), tags=tags) as tracked:
         tracked.log_config(tree, OmegaConf.to_yaml(OmegaConf.create(redact(tree))))
+        earlier = earlier_result(tracked, key)
+        if earlier is not None:  # a sweep asked for a deployment it has already run
+            tracked.set_tags({DUPLICATE_TAG: earlier.run_id} | ({PRUNED_TAG: earlier.pruned} if earlier.pruned else {}))
+            print(f"pdflow run: this sweep already ran this deployment (run {earlier.run_id}, objective "
+                  f"{earlier.objective:.4g}): nothing launched", file=sys.stderr)
+            return {OBJECTIVE: earlier.objective}
         spec = spec_from_config(cfg)
         graph = build_graph(spec, read_devices(spec))  # GPU pools sized from the devices here
         tracked.log_json("plan.json", graph.to_dict())
@@ -110,7 +119,7 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
         if refusals:
             tracked.set_tag("pdflow.refusals", ",".join(sorted({r.code.name for r in refusals})))
             raise GraphRefused(refusals)
-        from pdflow.tracking.estimate_log import OBJECTIVE, measured_extras, plan_run
+        from pdflow.tracking.estimate_log import measured_extras, plan_run
 
         planned = plan_run(tracked, graph)
         if planned.pruned is not None:
@@ -147,8 +156,6 @@ def run_job(cfg: DictConfig) -> dict[str, float]:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _run(cfg: DictConfig) -> float:
     """The job's return is what a search (Hydra's Optuna sweeper) maximizes."""
-    from pdflow.tracking.estimate_log import OBJECTIVE
-
     return float(run_job(cfg).get(OBJECTIVE, 0.0))
 
 

@@ -86,3 +86,66 @@ def test_a_run_logs_the_estimate_beside_what_it_measured(tmp_path):
     assert extras["goodput_per_device"] == 0.5 and extras["output_tok_s_per_device"] == 10.0
     assert extras["goodput_est_over_measured"] == pytest.approx(planned.estimate.goodput_req_s / 2.0)
     assert extras["ttft_est_over_measured"] == pytest.approx(planned.estimate.ttft_s[planned.estimate.input_len] / 0.5)
+
+
+def _tree(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from pdflow.spec.load import CONFIG_MODULE, CONFIG_NAME
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        return OmegaConf.to_container(compose(config_name=CONFIG_NAME, overrides=overrides), resolve=True)
+
+
+def test_deployment_key_ignores_only_what_a_run_does_not_use():
+    from pdflow.tracking.trial_cache import deployment_key
+
+    def key(*overrides: str) -> str:
+        return deployment_key(_tree(list(overrides)))
+
+    # A monolithic run starts no prefill instance and moves no KV.
+    assert key("mode=monolithic", "prefill=tp1") == key("mode=monolithic", "prefill=tp2", "transfer=nccl")
+    assert key("mode=monolithic", "decode=tp1") != key("mode=monolithic", "decode=tp2")
+    # Under P/D every side and the transfer matter; run names and tracking never do.
+    assert key("prefill=tp1") != key("prefill=tp2")
+    assert key("transfer=auto") != key("transfer=nccl")
+    assert key("drafter=none") != key("drafter=dspark")
+    assert key("name=a", "tracking.uri=sqlite:///a.db") == key("name=b", "tracking.uri=sqlite:///b.db")
+
+
+def test_a_sweep_runs_each_deployment_once(tmp_path):
+    """The hand grid made monolithic asks for 8 trials of 4 deployments (its prefill
+    choices do not apply): 4 run (all pruned here), 4 are tagged duplicates of them and
+    launch nothing; the parent counts both, and its comparison lists each deployment once."""
+    profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
+                             mem_bytes_s=1e10, host_copy_bytes_s=1e9, transfer_bytes_s={"gloo": 1e9},
+                             transfer_latency_s={"gloo": 1e-4}, rank_message_s=1e-4,
+                             step_overhead_s=100.0).save(tmp_path / "profile.json")
+    db = tmp_path / "mlflow.db"
+    out = subprocess.run(
+        [sys.executable, "-m", "pdflow.cli", "run", "-m", "+experiment=grid_tiny", "mode=monolithic",
+         f"tracking.uri=sqlite:///{db}"],
+        cwd=tmp_path, env=os.environ | {"PDFLOW_PROFILE": str(profile)}, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    from pdflow.tracking.trial_cache import DUPLICATE_TAG, KEY_TAG
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("pdflow").experiment_id
+    parent = client.search_runs([exp], "tags.`pdflow.sweep` = 'true'")[0]
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_id = {c.info.run_id: c for c in children}
+    firsts = [c for c in children if DUPLICATE_TAG not in c.data.tags]
+    repeats = [c for c in children if DUPLICATE_TAG in c.data.tags]
+    assert len(children) == 8 and len(firsts) == 4 and len(repeats) == 4
+    assert len({c.data.tags[KEY_TAG] for c in firsts}) == 4
+    for c in repeats:
+        first = by_id[c.data.tags[DUPLICATE_TAG]]
+        assert DUPLICATE_TAG not in first.data.tags and first.data.tags[KEY_TAG] == c.data.tags[KEY_TAG]
+        assert c.data.tags["pdflow.pruned"] == first.data.tags["pdflow.pruned"]
+        assert "est_goodput_req_s" not in c.data.metrics  # nothing planned or launched for it
+    tags = client.get_run(parent.info.run_id).data.tags
+    assert (tags["pdflow.sweep.duplicates"], tags["pdflow.sweep.pruned"], tags["pdflow.sweep.children"]) == ("4", "8", "8")

@@ -25,6 +25,7 @@ from pdflow.tracking.estimate_log import PRUNED_TAG
 from pdflow.tracking.params import fit_value
 from pdflow.tracking.run_logger import MAX_TAG_VALUE, PARENT_ENV, PARENT_TAG
 from pdflow.tracking.tags import git_tags, hardware_tags
+from pdflow.tracking.trial_cache import DUPLICATE_TAG
 
 JOB_NAME = "pdflow_run"
 SWEEP_TAG = "pdflow.sweep"
@@ -46,14 +47,17 @@ def close_open_sweeps() -> None:
         ok = bool(statuses) and all(s == "FINISHED" for s in statuses)
         failed = sum(s == "FAILED" for s in statuses)
         pruned = sum(PRUNED_TAG in c.data.tags for c in children)
+        # Each deployment once: a duplicate trial (``trial_cache``) measured nothing of its own.
+        distinct = [c for c in children if DUPLICATE_TAG not in c.data.tags]
         client.log_batch(run_id, tags=[RunTag("pdflow.sweep.children", str(len(statuses))),
                                        RunTag("pdflow.sweep.failed", str(failed)),
-                                       RunTag("pdflow.sweep.pruned", str(pruned))])
+                                       RunTag("pdflow.sweep.pruned", str(pruned)),
+                                       RunTag("pdflow.sweep.duplicates", str(len(children) - len(distinct)))])
         try:
             from pdflow.tracking.compare import comparison_markdown
 
-            client.log_text(run_id, comparison_markdown(children), "comparison.md")
-            _log_pareto(client, run_id, children)
+            client.log_text(run_id, comparison_markdown(distinct), "comparison.md")
+            _log_pareto(client, run_id, distinct)
         finally:
             client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
             if os.environ.get(PARENT_ENV) == run_id:

@@ -32,13 +32,14 @@ class TrackedRun:
         self.run_id: str | None = None
         self.uri: str | None = None
         self._client = None
+        self._experiment_id: str | None = None
 
     def __enter__(self) -> TrackedRun:
         if not self.enabled:
             return self
         self.uri = store.resolve_uri(self.tracking.uri)
         self._client = store.client(self.uri)
-        exp = store.experiment_id(self._client, self.tracking.experiment, self.uri)
+        exp = self._experiment_id = store.experiment_id(self._client, self.tracking.experiment, self.uri)
         tags = run_tags() | self.extra_tags
         if self.parent_run_id:
             tags[PARENT_TAG] = self.parent_run_id
@@ -56,6 +57,12 @@ class TrackedRun:
             self.log_text("error.txt", "".join(traceback.format_exception(exc_type, exc, tb)))
         self._client.set_terminated(self.run_id, status=status)
         return False
+
+    def search_experiment(self, filter_string: str) -> list:
+        """Runs of this run's experiment that match an MLflow filter (none, tracking off)."""
+        if not self.enabled:
+            return []
+        return self._client.search_runs([self._experiment_id], filter_string)
 
     # -- logging ---------------------------------------------------------------------
 
