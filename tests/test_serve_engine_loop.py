@@ -34,14 +34,16 @@ class ScriptedBackend:
         self.fail_after, self.draft = fail_after, draft
         self.aborted: list[str] = []
         self.max_running = 0
+        self.routes: list = []  # each added request's route (P/D), in order
 
     @property
     def num_free_kv_blocks(self) -> int:
         return self.num_kv_blocks - len(self.running)
 
-    def add(self, prompt_token_ids, sampling):
+    def add(self, prompt_token_ids, sampling, *, route=None):
         if len(prompt_token_ids) > 50:
             raise ValueError("prompt too long for the script")
+        self.routes.append(route)
         self.ids += 1
         self.running[str(self.ids)] = [0, sampling.max_tokens]
         self.max_running = max(self.max_running, len(self.running))
@@ -136,8 +138,8 @@ def test_abort_before_admission_never_reaches_the_backend():
 
 @pytest.fixture
 def scripted_server():
-    def start(backend):
-        host = EngineHost(backend).start()
+    def start(backend, route_of=None):
+        host = EngineHost(backend, route_of=route_of).start()
         server = ServerThread(create_app(host, model_name="script")).start()
         started.append((host, server))
         return server.url
@@ -190,3 +192,19 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_aborts_it(scripted_serv
         time.sleep(0.05)
     assert backend.aborted == ["1"] and not backend.running
     assert 'pdflow_requests_total{outcome="abort"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_a_decode_hosts_route_of_reads_the_routers_header_onto_each_choices_ticket(scripted_server):
+    from pdflow.serve.pd_decode import prefill_route
+    from pdflow.serve.pd_wire import PREFILL_HEADER, PDRoute
+
+    backend = ScriptedBackend()
+    url = scripted_server(backend, route_of=prefill_route)
+    body = {"model": "script", "prompt": [1], "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+    r = httpx.post(url + "/v1/completions", json=body | {"n": 2}, headers={PREFILL_HEADER: "http://127.0.0.1:9/"})
+    assert r.status_code == 200
+    assert backend.routes == [None, PDRoute(prefill_at="http://127.0.0.1:9"), PDRoute(prefill_at="http://127.0.0.1:9")]
+    plain = ScriptedBackend()  # a host without route_of ignores the header
+    r = httpx.post(scripted_server(plain) + "/v1/completions", json=body, headers={PREFILL_HEADER: "http://x"})
+    assert r.status_code == 200 and plain.routes == [None]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,20 +33,26 @@ from pdflow.serve.metrics import ServeMetrics
 from pdflow.serve.openapi import install_openapi
 from pdflow.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
+
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 GENERATION_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class EngineHost:
-    """A backend, the loop that steps it, and its metrics: what the API serves."""
+    """A backend, the loop that steps it, and its metrics: what the API serves.
+    ``route_of``: a generation request's P/D route, read from its HTTP request (a decode
+    instance's: the router's header); None: every request is served whole."""
 
     def __init__(self, backend: ServingBackend, *, admission: AdmissionPolicy | None = None,
-                 loop: type[EngineLoop] = EngineLoop):
+                 route_of: Callable[[Request], PDRoute | None] | None = None):
         self.backend = backend
+        self.route_of = route_of
         self.metrics = ServeMetrics(backend, num_active=lambda: self.loop.num_active)
-        self.loop = loop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
-                         admission=admission)
+        self.loop = EngineLoop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
+                               admission=admission)
 
     def start(self) -> EngineHost:
         self.loop.start()
@@ -99,7 +107,8 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
                request_timeout_s: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """``request_timeout_s``: a generation still running after it is aborted (503). ``host``:
     an ``EngineHost`` (the engine on a thread here) or a ``front_process.RemoteHost`` (the
-    engine core in a process of its own); ``host.backend`` is read per request."""
+    engine core in a process of its own); ``host.backend`` and ``host.route_of`` are read
+    per request."""
     metrics = host.metrics
     app = FastAPI(title="pdflow", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -113,6 +122,9 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
             metrics.count("rejected" if refused else "error")
 
     install_error_handlers(app, count_refusal)
+
+    def route_of(request: Request) -> PDRoute | None:
+        return None if host.route_of is None else host.route_of(request)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "pdflow",
@@ -145,7 +157,8 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
         ids = _prompt_ids(host.backend, req.prompt)
         job = _job(host.backend, req, ids, chat=False, model_name=model_name,
                    default_max=COMPLETION_DEFAULT_MAX_TOKENS)
-        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
+        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s,
+                                route=route_of(request)).respond()
 
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat_completions(request: Request):
@@ -153,7 +166,8 @@ def create_app(host: EngineHost, *, model_name: str, api_key: str | None = None,
         _check_model(req.model, model_name)
         ids = chat_prompt_ids(host.backend.tokenizer, [(m.role, m.content) for m in req.messages])
         job = _job(host.backend, req, ids, chat=True, model_name=model_name, default_max=None)
-        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s).respond()
+        return await Generation(host.loop, metrics, job, request, timeout_s=request_timeout_s,
+                                route=route_of(request)).respond()
 
     return app
 

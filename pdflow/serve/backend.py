@@ -9,10 +9,13 @@ with the same methods plugs in unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,8 +77,10 @@ class ServingBackend(Protocol):
     def block_size(self) -> int:
         """Tokens per KV block (admission reserves whole blocks)."""
 
-    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
-        """Queue one request; returns its id. Raises ValueError for a prompt it refuses."""
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
+        """Queue one request; returns its id. Raises ValueError for a prompt it refuses,
+        and for a ``route`` it cannot serve (only the separate P/D instances' backends
+        take one; the others serve every request whole)."""
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -131,7 +136,11 @@ class LLMBackend:
     def compile_s(self) -> float:
         return self.llm.compile_s
 
-    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
+        if route is not None:
+            raise ValueError(f"this server serves every request whole ({type(self.llm).__name__}); it cannot "
+                             f"take a P/D route ({route.prefill_at or 'a remote prefill'}): start P/D "
+                             "instances with serve.role=prefill|decode behind a router")
         return self.llm.submit([prompt_token_ids], sampling)[0]
 
     def abort(self, request_id: str) -> bool:

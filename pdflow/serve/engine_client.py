@@ -16,6 +16,7 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -36,6 +37,9 @@ from pdflow.serve.core_wire import (
 )
 from pdflow.serve.serving_core import StreamEvent
 from pdflow.serve.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,12 +96,18 @@ class EngineClient:
         return self.error is None and self.facts is not None
 
     def open_stream(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
-                    into: asyncio.Queue | None = None, tag: int = 0) -> tuple[RemoteTicket, asyncio.Queue]:
+                    into: asyncio.Queue | None = None, tag: int = 0,
+                    route: PDRoute | None = None) -> tuple[RemoteTicket, asyncio.Queue]:
         """As ``EngineLoop.open_stream``: events on the returned queue, or ``(tag, event)``
-        on ``into``."""
+        on ``into``. The core's engines serve every request whole: a ``route`` is refused
+        (a 400 event, as a backend's refusal is in process)."""
         rid = f"{self.front}-{next(self._ids)}"
         ticket = RemoteTicket(rid=rid, events=asyncio.Queue() if into is None else into,
                               text=TextStream(self.facts.tokenizer, sampling.stop), tag=None if into is None else tag)
+        if route is not None:
+            ticket.put(StreamEvent(error="this server's engine core serves every request whole; it cannot take "
+                                   "a P/D route (P/D instances: serve.role=prefill|decode)", error_status=400))
+            return ticket, ticket.events
         if self.error is not None:
             ticket.put(StreamEvent(error=self.error, error_status=503))
             return ticket, ticket.events

@@ -16,11 +16,15 @@ import contextlib
 import logging
 import queue
 import threading
+from typing import TYPE_CHECKING
 
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.admission import Admission, AdmissionPolicy
 from pdflow.serve.backend import ServingBackend
 from pdflow.serve.serving_core import ServingCore, StreamEvent, Ticket
+
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
@@ -77,10 +81,11 @@ class EngineLoop:
 
     def open_stream(
         self, prompt_token_ids: list[int], sampling: SamplingParams, *,
-        into: asyncio.Queue | None = None, tag: int = 0,
+        into: asyncio.Queue | None = None, tag: int = 0, route: PDRoute | None = None,
     ) -> tuple[Ticket, asyncio.Queue]:
         """Submit from a coroutine; events arrive on the returned queue (``into``: as
-        ``(tag, event)`` on that queue, shared by a request's choices)."""
+        ``(tag, event)`` on that queue, shared by a request's choices). ``route``: the
+        ticket's, for the backend (a separate P/D instance's request)."""
         aio = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue() if into is None else into
 
@@ -90,7 +95,7 @@ class EngineLoop:
             with contextlib.suppress(RuntimeError):
                 aio.call_soon_threadsafe(events.put_nowait, item)
 
-        ticket = Ticket(prompt_token_ids=prompt_token_ids, sampling=sampling, deliver=deliver)
+        ticket = Ticket(prompt_token_ids=prompt_token_ids, sampling=sampling, deliver=deliver, route=route)
         self.submit(ticket)
         return ticket, events
 

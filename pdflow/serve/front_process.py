@@ -32,6 +32,7 @@ class RemoteHost:
         self.client = client
         self.loop = client  # open_stream, abort, healthy, error
         self.metrics = client  # count(outcome): the core keeps the metrics
+        self.route_of = None  # a split server's engines serve every request whole
 
     @property
     def backend(self):

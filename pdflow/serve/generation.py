@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.requests import Request
@@ -28,6 +29,9 @@ from pdflow.serve.errors import APIError
 from pdflow.serve.logprob_bodies import LogprobRun, chat_logprobs, completion_logprobs, prompt_run
 from pdflow.serve.metrics import ServeMetrics
 from pdflow.serve.serving_core import StreamEvent
+
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
 
 _DISCONNECTED = StreamEvent(error="client disconnected", error_status=499)
 _TIMED_OUT = StreamEvent(error="request timed out", error_status=503)
@@ -83,8 +87,9 @@ class _Choice:
 
 class Generation:
     def __init__(self, loop: EngineLoop, metrics: ServeMetrics, job: Job, request: Request, *,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, route: PDRoute | None = None):
         self.loop, self.metrics, self.job, self.request = loop, metrics, job, request
+        self.route = route  # every choice's (each its own engine request)
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -137,7 +142,8 @@ class Generation:
         sampling = self.job.sampling
         if index and sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-        ticket, _ = self.loop.open_stream(self.job.prompt_token_ids, sampling, into=self.events, tag=index)
+        ticket, _ = self.loop.open_stream(self.job.prompt_token_ids, sampling, into=self.events, tag=index,
+                                          route=self.route)
         return ticket
 
     # -- events --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A consumer instance served on its own (``pdflow serve serve.role=decode``).
 
-A request the router sends with ``x-pdflow-prefill: <producer URL>`` is admitted the way
+A request the router sends with ``x-pdflow-prefill: <producer URL>`` (read into the
+ticket's ``PDRoute`` by ``prefill_route``, the host's ``route_of``) is admitted the way
 ``Deployment`` admits one (``engine/remote_admission``: after the blocks its prefix cache
 holds, or prefilled here when the uncached part is short): the consumer allocates the
 prompt's blocks and parks it; a
@@ -14,7 +15,6 @@ header is served whole (this instance holds the whole model).
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 import queue
 import threading
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
@@ -33,7 +33,6 @@ from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settl
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
-from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
     PAIR_PATH,
@@ -41,53 +40,21 @@ from pdflow.serve.pd_wire import (
     PREFILL_PATH,
     InstanceCard,
     PairRequest,
+    PDRoute,
     PrefillAnswer,
     RemotePrefill,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
-from pdflow.serve.serving_core import Ticket
 
 IDLE_WAIT_S = 0.005
 EXCHANGE_THREADS = 8
 
-_producer_of_request: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdflow_producer", default=None)
 
-
-class PrefillFrom(list):
-    """Prompt ids of a request whose prefill a producer does (its URL in ``producer``)."""
-
-    __slots__ = ("producer",)
-
-    def __init__(self, ids: list[int], producer: str):
-        super().__init__(ids)
-        self.producer = producer
-
-
-class ProducerHeader:
-    """ASGI middleware: the request's ``x-pdflow-prefill`` header, for ``PairingLoop``."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        value = dict(scope["headers"]).get(PREFILL_HEADER.encode())
-        token = _producer_of_request.set(value.decode().rstrip("/") if value else None)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _producer_of_request.reset(token)
-
-
-class PairingLoop(EngineLoop):
-    """The engine loop, with each submitted prompt tagged by its request's producer."""
-
-    def submit(self, ticket: Ticket) -> None:
-        producer = _producer_of_request.get()
-        if producer and not isinstance(ticket.prompt_token_ids, PrefillFrom):
-            ticket.prompt_token_ids = PrefillFrom(ticket.prompt_token_ids, producer)
-        super().submit(ticket)
+def prefill_route(request: Request) -> PDRoute | None:
+    """An API request's route on this consumer: the producer the router's header names
+    (None without the header: this instance prefills it)."""
+    producer = request.headers.get(PREFILL_HEADER, "").rstrip("/")
+    return PDRoute(prefill_at=producer) if producer else None
 
 
 class DecodeBackend(EngineFacts):
@@ -98,7 +65,8 @@ class DecodeBackend(EngineFacts):
         self.consumer_id = uuid.uuid4().hex[:12]
         self.pair_request = PairRequest(consumer_id=self.consumer_id, fingerprint=fingerprint,
                                         endpoints=engine.instance.open_kv_link())
-        self.waiting: deque[tuple[str, PrefillFrom, SamplingParams]] = deque()  # the pool was full
+        # Requests the pool was full for: id, prompt, sampling, producer URL.
+        self.waiting: deque[tuple[str, list[int], SamplingParams, str]] = deque()
         self.in_flight: set[str] = set()
         self.aborted: set[str] = set()
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
@@ -113,13 +81,17 @@ class DecodeBackend(EngineFacts):
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
-    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
+        if route is not None and route.prefill_at is None:
+            raise ValueError("a decode instance has its prompts prefilled at a producer (PDRoute.prefill_at); "
+                             "it takes no remote prefill (PDRoute.remote: a prefill instance's)")
         rid = f"r{next(self._ids)}"
-        if not isinstance(prompt_token_ids, PrefillFrom):  # the router had it prefill here
+        if route is None:  # no router header: prefilled here
             self.reuse.local_prefills += 1
             return self.engine.add_request(list(prompt_token_ids), sampling, rid)
-        if not self._start(rid, prompt_token_ids, sampling):  # a refused prompt raises here
-            self.waiting.append((rid, prompt_token_ids, sampling))
+        prompt = list(prompt_token_ids)
+        if not self._start(rid, prompt, sampling, route.prefill_at):  # a refused prompt raises here
+            self.waiting.append((rid, prompt, sampling, route.prefill_at))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -150,20 +122,20 @@ class DecodeBackend(EngineFacts):
 
     # -- the exchange ------------------------------------------------------------------
 
-    def _start(self, rid: str, prompt: PrefillFrom, sampling: SamplingParams) -> bool:
-        """Allocate the prompt's blocks and hand the prefill to a worker thread; False
-        while the pool is short."""
+    def _start(self, rid: str, prompt: list[int], sampling: SamplingParams, producer: str) -> bool:
+        """Allocate the prompt's blocks and hand its prefill at ``producer`` to a worker
+        thread; False while the pool is short."""
         router = self.engine.spec.router
-        admitted = admit_to_consumer(self.engine, list(prompt), sampling, rid, reuse=router.prefix_reuse,
+        admitted = admit_to_consumer(self.engine, prompt, sampling, rid, reuse=router.prefix_reuse,
                                      local_below=router.local_prefill_tokens, counts=self.reuse)
         if admitted.local or admitted.target is None:
             return admitted.local
         target = admitted.target
-        job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=list(prompt),
+        job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=prompt,
                             sampling=sampling, blocks=list(target.blocks), nonce=target.nonce,
                             first_block=target.first_block)
         self.in_flight.add(rid)
-        self._pool.submit(self._exchange, prompt.producer, job)
+        self._pool.submit(self._exchange, producer, job)
         return True
 
     def _exchange(self, producer: str, job: RemotePrefill) -> None:
@@ -206,7 +178,6 @@ class DecodeBackend(EngineFacts):
 
 
 def add_decode_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:
-    app.add_middleware(ProducerHeader)
     backend: DecodeBackend = host.backend
     host.metrics.count_pairings(backend.pairings)
     host.metrics.registry.register(ReuseCollector(consumer=backend.engine, counts=backend.reuse))

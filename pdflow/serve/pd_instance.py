@@ -28,7 +28,6 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     from pdflow.engine.llm_engine import LLMEngine
     from pdflow.serve.admission import policy_of
     from pdflow.serve.api import EngineHost, create_app
-    from pdflow.serve.engine_loop import EngineLoop
 
     role = spec.serve.role
     if spec.mode != "pd":
@@ -42,15 +41,15 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
         from pdflow.serve.pd_prefill import PrefillBackend
         from pdflow.serve.pd_prefill import add_prefill_routes as add_routes
 
-        backend, loop = PrefillBackend(engine), EngineLoop
+        backend, route_of = PrefillBackend(engine), None  # its API serves requests whole
     else:
-        from pdflow.serve.pd_decode import DecodeBackend
-        from pdflow.serve.pd_decode import PairingLoop as loop
+        from pdflow.serve.pd_decode import DecodeBackend, prefill_route
         from pdflow.serve.pd_decode import add_decode_routes as add_routes
 
         backend = DecodeBackend(engine, fingerprint=print_, api_key=api_key, timeout_s=EXCHANGE_TIMEOUT_S)
         stack.callback(backend.shutdown)
-    host = EngineHost(backend, admission=policy_of(spec.serve), loop=loop)
+        route_of = prefill_route  # the router's x-pdflow-prefill header
+    host = EngineHost(backend, admission=policy_of(spec.serve), route_of=route_of)
     host.start()
     stack.callback(host.stop)
     app = create_app(host, model_name=model_name, api_key=api_key, request_timeout_s=spec.serve.request_timeout_s,

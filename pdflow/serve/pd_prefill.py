@@ -2,8 +2,8 @@
 
 Its OpenAI API serves requests whole (it holds the whole model); its internal routes
 take consumers' pairing and their remote prefills (``pd_wire``). A remote prefill rides
-the same engine loop as an API request: its prompt is a ``RemotePrompt`` carrying the
-exchange, so one thread steps the engine. The ranks keep a peer table by consumer id:
+the same engine loop as an API request, its ticket's ``PDRoute`` carrying the exchange
+(``remote``), so one thread steps the engine. The ranks keep a peer table by consumer id:
 the first prefill for a consumer pairs its ranks with that consumer's (once; the steps
 in flight are collected first, nothing is drained), and prefills for different consumers
 interleave freely after that.
@@ -34,6 +34,7 @@ from pdflow.serve.pd_wire import (
     PREFILL_PATH,
     InstanceCard,
     PairRequest,
+    PDRoute,
     PrefillAnswer,
     RemotePrefill,
 )
@@ -41,16 +42,6 @@ from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.transfer.errors import PairingRefused
 
 IDLE_SLEEP_S = 0.002
-
-
-class RemotePrompt(list):
-    """A consumer's prompt ids, with the exchange it came in (blocks, nonce, consumer)."""
-
-    __slots__ = ("job",)
-
-    def __init__(self, job: RemotePrefill):
-        super().__init__(job.prompt_token_ids)
-        self.job = job
 
 
 class PrefillBackend(EngineFacts):
@@ -74,10 +65,13 @@ class PrefillBackend(EngineFacts):
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
-    def add(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+    def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
+        if route is not None and route.remote is None:
+            raise ValueError("a prefill instance prefills for consumers (PDRoute.remote); it sends no prompt "
+                             "to another producer (PDRoute.prefill_at: a decode instance's)")
         rid = f"p{next(self._ids)}"
-        if isinstance(prompt_token_ids, RemotePrompt):
-            self._add_remote(rid, prompt_token_ids.job, sampling)
+        if route is not None:
+            self._add_remote(rid, route.remote, sampling)
         else:
             self.engine.add_request(list(prompt_token_ids), sampling, rid)
         return rid
@@ -158,7 +152,8 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     @app.post(PREFILL_PATH, dependencies=guard)
     async def prefill(request: Request):
         job = _decode(await request.body(), RemotePrefill)  # its sampling checked on decoding: a 400
-        ticket, events = host.loop.open_stream(RemotePrompt(job), dataclasses.replace(job.sampling, max_tokens=1))
+        ticket, events = host.loop.open_stream(job.prompt_token_ids, dataclasses.replace(job.sampling, max_tokens=1),
+                                               route=PDRoute(remote=job))
         event = await events.get()
         while not event.done:
             event = await events.get()

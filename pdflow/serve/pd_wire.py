@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 import msgspec
 
@@ -70,6 +71,22 @@ class PrefillAnswer(msgspec.Struct, kw_only=True):
 
     first: TokenOutput | None = None
     error: str | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PDRoute:
+    """A request's part in a P/D exchange between separate instances, carried on its ticket
+    (``EngineLoop.open_stream(route=)``) to ``backend.add``; a request without one is
+    served whole. One side each: ``prefill_at`` on a consumer (the producer URL the
+    router's header names prefills it), ``remote`` on a producer (the consumer's exchange:
+    its blocks, nonce, consumer id)."""
+
+    prefill_at: str | None = None
+    remote: RemotePrefill | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prefill_at is None) == (self.remote is None):
+            raise ValueError("a PDRoute names exactly one of prefill_at (a consumer's) and remote (a producer's)")
 
 
 def fingerprint(spec: RunSpec) -> str:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.admission import Admission, AdmissionPolicy
 from pdflow.serve.backend import DraftStats, ServingBackend
+
+if TYPE_CHECKING:
+    from pdflow.serve.pd_wire import PDRoute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,11 +53,13 @@ class StreamEvent:
 
 @dataclass(kw_only=True, slots=True)
 class Ticket:
-    """One request as the core tracks it; ``request_id`` is set once the backend took it."""
+    """One request as the core tracks it; ``request_id`` is set once the backend took it.
+    ``route``: its part in a P/D exchange between separate instances (None: served whole)."""
 
     prompt_token_ids: list[int]
     sampling: SamplingParams
     deliver: Callable[[StreamEvent], None]
+    route: PDRoute | None = None
     arrival: float = field(default_factory=time.monotonic)
     request_id: str | None = None
     admitted_at: float | None = None  # into the engine, out of the waiting room
@@ -130,7 +136,7 @@ class ServingCore:
             self._on_finish(ticket, StreamEvent(finish_reason="abort"))
             return
         try:
-            ticket.request_id = self.backend.add(ticket.prompt_token_ids, ticket.sampling)
+            ticket.request_id = self.backend.add(ticket.prompt_token_ids, ticket.sampling, route=ticket.route)
             ticket.admitted_at = time.monotonic()
         except ValueError as exc:
             self.admission.release(ticket)
