@@ -1,7 +1,7 @@
 """A producer forgets a consumer instance (``ForgetConsumer``; a one-rank producer in
 process, a pp2 one through its rank processes): an export in flight to it settles first
-and is still reported to the owner, the pair closes on both ends (the consumer rank's session ends), and pairing again
-serves the consumer as before. Before, a closed in-process sender's settled reports were
+and is still reported to the owner, the pair closes on both ends (the consumer rank's
+session ends), and pairing again serves the consumer as before. Before, a closed in-process sender's settled reports were
 dropped with it: the request stayed in ``SENDING_KV``, its blocks held, for good."""
 
 from __future__ import annotations
