@@ -2,9 +2,12 @@
 each paired once under its id, exports for different consumers interleaved with nothing
 drained; each consumer's ranks hold exactly their heads of the blocks written to them
 (the tensor-indexing oracle of ``transfer_kit``) and nothing else; an export naming a
-consumer that never paired fails instead of landing nowhere."""
+consumer that never paired fails instead of landing nowhere; forgetting a consumer closes
+its pairs and leaves the others'."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from transfer_kit import caches_for, producer_caches_of, wrong_units
@@ -112,6 +115,43 @@ def test_pairing_a_consumer_again_replaces_only_its_peers(two_consumers):
     kept, old = producer.consumers["d0"], producer.consumers["d1"]
     producer.pair(consumers["d1"].endpoints(), "d1")
     assert producer.consumers["d0"] is kept and producer.consumers["d1"] is not old
+    src, dst = REQUESTS["d1"][0]
+    for rank in producer.consumer_ranks:
+        producer.send(rank, _export("d1", consumers["d1"], 0, src, dst))
+    assert wrong_units(graph, sources, consumers["d1"].caches, [REQUESTS["d1"][0]]) == []
+
+
+def _sessions_end(consumer: Consumer, timeout_s: float = 30.0) -> bool:
+    """Whether every rank's listener of ``consumer`` has no pair session left (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while any(link.listener._sessions for link in consumer.links):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_forgetting_a_consumer_closes_only_its_peers(two_consumers):
+    """A consumer that stopped leaves the table, and its pairs close (each consumer rank's
+    session ends); the other consumer's peers stay and still land. Without ``forget``'s
+    close the gone consumer's sessions (and the producer's sockets, staging) would stay."""
+    graph, consumers, sources, producer = two_consumers
+    producer.pair(consumers["d0"].endpoints(), "d0")
+    producer.pair(consumers["d1"].endpoints(), "d1")
+    kept, gone = producer.consumers["d0"], producer.consumers["d1"]
+    assert all(len(link.listener._sessions) == 1 for c in consumers.values() for link in c.links)
+    assert producer.forget("d1") and not producer.forget("d1")
+    assert producer.consumers == {"d0": kept}
+    assert all(peer.conn.sock.fileno() == -1 for peer in gone.p2p.values())  # the producer's ends closed
+    assert _sessions_end(consumers["d1"])  # and the consumer's ranks saw them go
+    assert all(len(link.listener._sessions) == 1 for link in consumers["d0"].links)
+    with pytest.raises(TransferError, match="has not paired with consumer 'd1'"):
+        producer.send(0, _export("d1", consumers["d1"], 0, *REQUESTS["d1"][0]))
+    for i, (src, dst) in enumerate(REQUESTS["d0"]):
+        for rank in producer.consumer_ranks:
+            producer.send(rank, _export("d0", consumers["d0"], i, src, dst))
+    assert wrong_units(graph, sources, consumers["d0"].caches, REQUESTS["d0"]) == []
+    producer.pair(consumers["d1"].endpoints(), "d1")  # a consumer forgotten in error pairs again
     src, dst = REQUESTS["d1"][0]
     for rank in producer.consumer_ranks:
         producer.send(rank, _export("d1", consumers["d1"], 0, src, dst))

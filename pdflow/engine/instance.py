@@ -28,7 +28,15 @@ from pdflow.graph.devices import DeviceFacts
 from pdflow.graph.host import read_devices
 from pdflow.model.loader import model_config
 from pdflow.model.tokenizer import load_tokenizer
-from pdflow.parallel.messages import KVEndpoint, KVLinkOpened, OpenKVLink, PairConsumer, Paired
+from pdflow.parallel.messages import (
+    ForgetConsumer,
+    Forgot,
+    KVEndpoint,
+    KVLinkOpened,
+    OpenKVLink,
+    PairConsumer,
+    Paired,
+)
 from pdflow.spec import RunSpec
 from pdflow.transfer.errors import PairingRefused
 from pdflow.transfer.grants import kv_nonce, new_key
@@ -105,6 +113,15 @@ class Instance:
                          for r in _expect(answer, Paired, self.role).refusals]
         if refusals:
             raise PairingRefused(refusals)
+
+    def forget(self, consumer_id: str) -> bool:
+        """Have every producer rank close and drop consumer instance ``consumer_id``'s peers
+        (it stopped, or a transfer to it failed); exports in flight settle first. True when
+        some rank held them."""
+        if self.role != PRODUCER:
+            raise ValueError(f"only a producer forgets a consumer; this is the {self.role}")
+        answers = self._executor().control(ForgetConsumer(consumer=consumer_id))
+        return any([_expect(a, Forgot, self.role).held for a in answers])
 
     def _executor(self) -> Executor:
         if self.executor is None:

@@ -290,10 +290,23 @@ class LLMEngine:
         """P/D producer: pair with one more consumer instance (``Instance.pair``). Control
         goes between steps, so the steps in flight are collected first (their outputs are
         returned); requests for other consumers, exports in flight included, go on."""
+        outputs = self._collect_in_flight()
+        self.instance.pair(endpoints, consumer)
+        return outputs
+
+    def forget(self, consumer: str) -> list[TokenOutput]:
+        """P/D producer: let go of a consumer instance's peers (``Instance.forget``), the
+        steps in flight collected first (their outputs are returned); exports in flight
+        settle before its peers close, and are reported as usual."""
+        outputs = self._collect_in_flight()
+        self.instance.forget(consumer)
+        return outputs
+
+    def _collect_in_flight(self) -> list[TokenOutput]:
+        """Control goes between steps: collect every step in flight."""
         outputs = []
         while self._in_flight:
             outputs += self._collect_step()
-        self.instance.pair(endpoints, consumer)
         return outputs
 
     def add_remote_request(

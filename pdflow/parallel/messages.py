@@ -207,6 +207,21 @@ class Paired(msgspec.Struct, tag=True, kw_only=True):
     # Empty when paired; else every reason the rank refused (nothing was written).
     refusals: list[RefusalInfo] = []
 
+
+class ForgetConsumer(msgspec.Struct, tag=True, kw_only=True):
+    """Owner -> producer rank: consumer instance ``consumer`` stopped (or a transfer to it
+    failed): close its peers and drop them from the rank's peer table (exports in flight
+    settle first)."""
+
+    consumer: str
+
+
+class Forgot(msgspec.Struct, tag=True, kw_only=True):
+    rank: int
+    # Whether the rank held peers of that consumer (False: nothing to close).
+    held: bool
+
+
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
     reason: str = ""
 
@@ -217,8 +232,8 @@ class RankError(msgspec.Struct, tag=True, kw_only=True):
 
 
 Message = (RankReady | StepInput | StepOutput | Shutdown | RankError | KVSent | OpenKVLink
-           | KVLinkOpened | PairConsumer | Paired)
-ControlMessage = OpenKVLink | PairConsumer
+           | KVLinkOpened | PairConsumer | Paired | ForgetConsumer | Forgot)
+ControlMessage = OpenKVLink | PairConsumer | ForgetConsumer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

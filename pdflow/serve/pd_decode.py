@@ -10,13 +10,15 @@ endpoints) and asks it to prefill into those blocks (``POST /pdflow/prefill``); 
 answer's first token resumes the request here, which decodes on. A failed exchange ends
 the request with an error and frees its blocks; an aborted one frees them only once the
 producer has answered, so no late write lands in reused blocks. A request without the
-header is served whole (this instance holds the whole model).
+header is served whole (this instance holds the whole model). On shutdown it tells each
+producer it paired with to let go of it (``POST /pdflow/unpair``), before its engine stops.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import uuid
 from collections import deque
@@ -38,16 +40,19 @@ from pdflow.serve.pd_wire import (
     PAIR_PATH,
     PREFILL_HEADER,
     PREFILL_PATH,
+    UNPAIR_PATH,
     InstanceCard,
     PairRequest,
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
+    UnpairRequest,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 
 IDLE_WAIT_S = 0.005
 EXCHANGE_THREADS = 8
+UNPAIR_TIMEOUT_S = 2.0  # per producer, on shutdown: a producer that does not answer forgets on its own
 
 
 def prefill_route(request: Request) -> PDRoute | None:
@@ -117,8 +122,22 @@ class DecodeBackend(EngineFacts):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._unpair_all()
         self._client.close()
         self.engine.shutdown()
+
+    def _unpair_all(self) -> None:
+        """Best effort: every producer this instance paired with lets go of its endpoints
+        and its ranks' peers (staging, sockets); one that misses this forgets this
+        instance when a transfer to it fails."""
+        ask = msgspec.json.encode(UnpairRequest(consumer_id=self.consumer_id))
+        for producer in list(self.pairings):
+            try:
+                r = self._client.post(producer + UNPAIR_PATH, content=ask, timeout=UNPAIR_TIMEOUT_S,
+                                      headers={"content-type": "application/json"})
+                r.raise_for_status()
+            except httpx.HTTPError as err:
+                print(f"pdflow: {producer} was not told this decode instance stops: {err}", file=sys.stderr)
 
     # -- the exchange ------------------------------------------------------------------
 

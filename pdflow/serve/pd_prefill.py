@@ -6,7 +6,9 @@ the same engine loop as an API request, its ticket's ``PDRoute`` carrying the ex
 (``remote``), so one thread steps the engine. The ranks keep a peer table by consumer id:
 the first prefill for a consumer pairs its ranks with that consumer's (once; the steps
 in flight are collected first, nothing is drained), and prefills for different consumers
-interleave freely after that.
+interleave freely after that. A consumer that leaves (``POST /pdflow/unpair``) or whose
+transfer failed is forgotten: its ranks' peers close once no prefill of its is in the
+engine (a live one pairs again on its next prefill).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import Gauge
 
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
@@ -32,11 +35,13 @@ from pdflow.serve.pd_wire import (
     INSTANCE_PATH,
     PAIR_PATH,
     PREFILL_PATH,
+    UNPAIR_PATH,
     InstanceCard,
     PairRequest,
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
+    UnpairRequest,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.transfer.errors import PairingRefused
@@ -55,9 +60,14 @@ class PrefillBackend(EngineFacts):
         self.consumers: dict[str, list[KVEndpoint]] = {}
         self.paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # ranks paired, per consumer id (/metrics)
+        # Consumers whose peers the ranks hold now (replaced whole: routes read it), and
+        # those to forget once none of their prefills is in the engine: their endpoints
+        # are gone (/pdflow/unpair, a refused re-pairing) or a transfer to them failed.
+        self.held: frozenset[str] = frozenset()
+        self._forgetting: set[str] = set()
         # Outputs of the steps a pairing collected (``LLMEngine.pair``), for the next ``step``.
         self._collected: list[TokenOutput] = []
-        self.remote: set[str] = set()  # in the engine, answer not yet taken
+        self.remote: dict[str, str] = {}  # in the engine, answer not yet taken: its consumer id
         self.answers: dict[str, PrefillAnswer] = {}
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._ids = itertools.count()
@@ -77,22 +87,25 @@ class PrefillBackend(EngineFacts):
         return rid
 
     def abort(self, request_id: str) -> bool:
-        self.remote.discard(request_id)
+        self.remote.pop(request_id, None)
         return self.engine.abort(request_id)
 
     def step(self) -> list[TokenOutput]:
+        self._let_go()
         stepped, self._collected = self._collected, []
         if self.engine.has_unfinished():
             stepped += self._draft_counts.keep(self.engine.step())
         elif not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
         for out in stepped:
-            if out.request_id in self.remote:
-                self.remote.discard(out.request_id)
+            consumer = self.remote.pop(out.request_id, None)
+            if consumer is not None:
                 failed = out.kv_error
                 self.answers[out.request_id] = PrefillAnswer(
                     first=out, error=failed and f"KV transfer failed: {failed}")
                 self.prefills += failed is None
+                if failed:  # a dead consumer's peers go; a live one pairs again on its next prefill
+                    self._leave(consumer)
         return stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
@@ -100,6 +113,32 @@ class PrefillBackend(EngineFacts):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    # -- consumers leaving --------------------------------------------------------------
+
+    def unpair(self, consumer: str) -> None:
+        """A consumer stops (the route's thread): drop its endpoints and its count;
+        ``step``, on the engine loop's thread, forgets its ranks' peers."""
+        self.consumers.pop(consumer, None)
+        self.pairings.pop(consumer, None)
+
+    def _leave(self, consumer: str) -> None:
+        self.paired.discard(consumer)
+        self._forgetting.add(consumer)
+
+    def _let_go(self) -> None:
+        """Forget the leaving consumers none of whose prefills is in the engine any more
+        (exports to them settle first); one that paired again meanwhile keeps its peers."""
+        for consumer in [c for c in self.held if c not in self.consumers]:
+            self._leave(consumer)
+        for consumer in list(self._forgetting):
+            if consumer in self.paired:  # paired again since: its peers are new
+                self._forgetting.discard(consumer)
+            elif consumer not in self.remote.values():
+                self._forgetting.discard(consumer)
+                if consumer in self.held:
+                    self._collected += self.engine.forget(consumer)
+                    self.held = self.held - {consumer}
 
     # -- remote prefills ---------------------------------------------------------------
 
@@ -120,10 +159,11 @@ class PrefillBackend(EngineFacts):
                 raise ValueError(f"pairing refused: {err}") from None
             self.paired.add(cid)
             self.pairings[cid] = self.pairings.get(cid, 0) + 1
+            self.held = self.held | {cid}
         target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid, first_block=job.first_block)
         self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1), rid,
                                 kv_target=target)
-        self.remote.add(rid)
+        self.remote[rid] = cid
 
 
 def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, api_key: str | None) -> None:
@@ -132,10 +172,13 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     host.metrics.count_pairings(backend.pairings)
     host.metrics.registry.register(ReuseCollector(producer=backend.engine))
     host.metrics.count_kv_transfer(lambda: (backend.engine.kv_bytes_sent, backend.engine.kv_blocks_sent))
+    Gauge("pdflow_kv_paired_consumers", "Consumer instances whose peers this instance's ranks hold now.",
+          registry=host.metrics.registry).set_function(lambda: len(backend.held))
 
     @app.get(INSTANCE_PATH, dependencies=guard)
     async def instance():
-        return msgspec.to_builtins(card) | {"prefills": backend.prefills, "pairings": dict(backend.pairings)}
+        return msgspec.to_builtins(card) | {"prefills": backend.prefills, "pairings": dict(backend.pairings),
+                                            "paired_consumers": sorted(backend.held)}
 
     @app.post(PAIR_PATH, dependencies=guard)
     async def pair(request: Request):
@@ -148,6 +191,12 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
             backend.consumers[ask.consumer_id] = ask.endpoints
             backend.paired.discard(ask.consumer_id)  # its ranks pair (again) on its next prefill
         return {"paired": ask.consumer_id}
+
+    @app.post(UNPAIR_PATH, dependencies=guard)
+    async def unpair(request: Request):
+        ask = _decode(await request.body(), UnpairRequest)
+        backend.unpair(ask.consumer_id)  # its peers close on the engine loop's thread
+        return {"unpaired": ask.consumer_id}
 
     @app.post(PREFILL_PATH, dependencies=guard)
     async def prefill(request: Request):

@@ -1,11 +1,13 @@
 """What separately started P/D instances say to each other and to their router.
 
-Three internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
+Four internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
 
 - ``GET /pdflow/instance`` on either instance: its ``InstanceCard`` (role, model, the run
   graph's fingerprint). A router refuses instances of different graphs before it serves.
 - ``POST /pdflow/pair`` on a producer: a consumer's ``PairRequest`` (its KV endpoints,
   one per rank); the producer checks the fingerprint and keeps them.
+- ``POST /pdflow/unpair`` on a producer: an ``UnpairRequest`` from a consumer that is
+  stopping; the producer drops its endpoints and its ranks close their peers of it.
 - ``POST /pdflow/prefill`` on a producer: a ``RemotePrefill`` (prompt ids, sampling, the
   consumer's block ids and nonce); the producer prefills, writes the prompt's KV into those
   blocks over the transfer engine and answers a ``PrefillAnswer`` (the first token).
@@ -31,6 +33,7 @@ from pdflow.spec import RunSpec
 
 PREFILL_HEADER = "x-pdflow-prefill"
 INSTANCE_PATH, PAIR_PATH, PREFILL_PATH = "/pdflow/instance", "/pdflow/pair", "/pdflow/prefill"
+UNPAIR_PATH = "/pdflow/unpair"
 
 
 class RunGraphMismatch(RuntimeError):
@@ -49,6 +52,13 @@ class PairRequest(msgspec.Struct, kw_only=True):
     consumer_id: str
     fingerprint: str
     endpoints: list[KVEndpoint]
+
+
+class UnpairRequest(msgspec.Struct, kw_only=True):
+    """A consumer leaving: the producer lets go of what it holds for it (its endpoints,
+    its ranks' peers and their staging)."""
+
+    consumer_id: str
 
 
 class RemotePrefill(msgspec.Struct, kw_only=True):

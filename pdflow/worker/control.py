@@ -1,12 +1,15 @@
 """Control messages a rank answers between steps (the same code in process and per rank):
-open its KV link (register the pool with the transfer engine) and pair with consumers.
-Pairing one more consumer leaves the sender running: exports to the others go on."""
+open its KV link (register the pool with the transfer engine), pair with consumers and
+forget them. Pairing one more consumer leaves the sender running: exports to the others
+go on. Re-pairing or forgetting one closes its peers, so exports in flight settle first."""
 
 from __future__ import annotations
 
 from pdflow.graph import RunGraph
 from pdflow.parallel.messages import (
     ControlMessage,
+    ForgetConsumer,
+    Forgot,
     KVLinkOpened,
     Message,
     OpenKVLink,
@@ -33,4 +36,10 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
             return Paired(rank=rank, refusals=[RefusalInfo(code=str(r.code), message=r.message, fix=r.fix)
                                                for r in err.refusals])
         return Paired(rank=rank)
+    if isinstance(msg, ForgetConsumer):
+        held = stage.link.paired(msg.consumer)
+        if held:  # its peers close: exports in flight settle first
+            stage.close_sender()
+            stage.link.forget(msg.consumer)
+        return Forgot(rank=rank, held=held)
     raise TypeError(f"rank {rank} cannot handle {type(msg).__name__}")

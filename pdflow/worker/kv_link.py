@@ -10,7 +10,9 @@ graph's ``CutPlan``, the addresses from the endpoints (``transfer.descriptors``)
 
 A producer rank keeps a peer table keyed by consumer instance id: pairing with one more
 consumer adds its peers and leaves the others' (and their exports in flight) alone, so
-one prefill instance serves many decode instances without draining between them.
+one prefill instance serves many decode instances without draining between them. A
+consumer that stopped or failed is forgotten: its peers (sockets, host staging, groups)
+close and leave the table.
 """
 
 from __future__ import annotations
@@ -175,6 +177,17 @@ class KVLink:
         self.consumers = {**self.consumers, consumer: ConsumerPeers(direct=peers, p2p=p2p_peers)}
         if old is not None:
             old.close()
+
+    def forget(self, consumer: str) -> bool:
+        """Close and drop the peers of consumer instance ``consumer`` (it stopped, or a
+        transfer to it failed); other consumers' stay. Nothing may be in flight to them.
+        False when this rank held none."""
+        old = self.consumers.get(consumer)
+        if old is None:
+            return False
+        self.consumers = {cid: peers for cid, peers in self.consumers.items() if cid != consumer}
+        old.close()
+        return True
 
     def paired(self, consumer: str = "") -> bool:
         return consumer in self.consumers

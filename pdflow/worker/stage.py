@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -105,6 +105,8 @@ class Stage:
     link: KVLink | None = None
     sender: KVSender | None = None
     report_sent: Callable[[KVSent], None] | None = None
+    # In process: what a closed sender had settled and the owner had not taken yet.
+    settled_before: list[KVSent] = field(default_factory=list)
     # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
     # per-step part and its draft KV pool (units exported like the target's).
     drafting: Drafting | None = None
@@ -152,12 +154,18 @@ class Stage:
 
     def settled(self, wait_s: float = 0.0) -> list[KVSent]:
         """In process: the exports settled since the last call (``KVSender.settled``)."""
-        return self.sender.settled(wait_s) if self.sender is not None else []
+        before, self.settled_before = self.settled_before, []
+        if self.sender is None:
+            return before
+        return before + self.sender.settled(0.0 if before else wait_s)
 
     def close_sender(self) -> None:
-        """Let every export in flight settle and stop the sender (before the link changes)."""
+        """Let every export in flight settle and stop the sender (before the link changes);
+        in process, its reports stay for ``settled`` (the owner holds those requests'
+        blocks until it hears)."""
         if self.sender is not None:
             self.sender.close()
+            self.settled_before += self.sender.settled()
             self.sender = None
 
     def draft(self, step: StepInput, ids: torch.Tensor, positions: torch.Tensor, meta,
