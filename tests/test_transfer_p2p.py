@@ -20,9 +20,10 @@ from pdflow.graph import CONSUMER, PRODUCER, Code
 from pdflow.transfer import p2p
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.grants import kv_nonce
+from pdflow.transfer.movers.group import GroupSender, pair_group
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
-from pdflow.transfer.p2p_parts import pair_group, peer_closed
+from pdflow.transfer.p2p_parts import peer_closed
 from pdflow.transfer.packing import packed_nbytes
 from pdflow.worker.kv_link import KVLink
 
@@ -240,7 +241,8 @@ def test_a_broken_pair_pairs_again_and_the_next_request_lands(graph_of, transpor
         assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
         assert sum(s.producer_rank == p for s in listener._sessions) == 1  # the old session is gone
         if transfer != "nccl":  # its staging's registration went with it; the new one's is there
-            assert old.host_base is None and _session(listener, p).host_base in listener.transport._registered
+            assert (old.receiver.host_base is None
+                    and _session(listener, p).receiver.host_base in listener.transport._registered)
     finally:
         pairs.close()
 
@@ -349,10 +351,13 @@ def test_a_set_up_that_fails_after_the_answer_closes_the_connection(graph_of, mo
     caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
     listener = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
 
-    def broken(buf):
+    made = GroupSender.set_up
+
+    def broken(self, ready):  # the producer's half only, once its group connected
+        made(self, ready)
         raise RuntimeError("a buffer that cannot be split")
 
-    monkeypatch.setattr(p2p, "two_halves", broken)
+    monkeypatch.setattr(GroupSender, "set_up", broken)
     try:
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)
