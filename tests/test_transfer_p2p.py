@@ -182,6 +182,37 @@ def test_a_request_the_consumer_fails_mid_stream_ends_there_and_the_pair_serves_
         pairs.close()
 
 
+def test_the_ipc_movers_ack_loop_lands_every_head_on_cpu(graph_of, monkeypatch):
+    """The ``ipc`` mover's halves (the chunk-and-ack loop it shares with Mooncake staging,
+    and the in-process handover of the consumer's receive buffer) run on CPU caches when
+    both ends are told they share a GPU: several chunks per request land exactly, a bad
+    block fails its request at the first ack and the pair serves on, and the consumer's
+    session drops its in-process entry when the pair closes."""
+    from pdflow.transfer import p2p_listener, p2p_parts
+
+    monkeypatch.setattr(p2p, "choose_mover", lambda *_: "ipc")
+    monkeypatch.setattr(p2p_listener, "device_identity", lambda _: "cuda:one-gpu")
+    layout = ("prefill=pp2", "decode=tp2", "drafter=dspark")
+    per_block = packed_nbytes(graph_of(*BASE, *layout).cuts[0], 1)
+    before = set(p2p_parts.IN_PROCESS)
+    pairs = Pairs(graph_of(*BASE, *layout), buffer_bytes=per_block)
+    handed = set(p2p_parts.IN_PROCESS) - before
+    try:
+        assert {p.mover for p in pairs.peers.values()} == {"ipc"} and len(handed) == len(pairs.peers)
+        peer = next(iter(pairs.peers.values()))
+        with pytest.raises(TransferError, match="outside the pool"):
+            send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
+        pairs.move()
+        assert not peer.broken
+        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+    finally:
+        pairs.close()
+    deadline = time.monotonic() + 20
+    while any(lis._sessions for lis in pairs.listeners.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not handed & set(p2p_parts.IN_PROCESS), "a closed pair's buffer stays in the in-process table"
+
+
 def test_the_page_ignorant_cut_is_caught(pairs_of):
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.force_page_ignorant_cut=[mha]")
     pairs.move()
