@@ -158,9 +158,9 @@ def producer(args, queues, outbox, result, base_path: str) -> None:
                 row[f"r{rank}"] = (peer.mover, nbytes, nbytes / secs / 1e9, _rate(nbytes, behind))
             peer = peers.get(1)
             if peer is not None and peer.mover == "mooncake":  # Mooncake's own rate: one bare host write
-                size = min(packed_nbytes(peer.plan, n), peer.buffer_bytes)
-                bare = Descriptors(src=[peer.host_base], dst=[peer.remote[1]], length=[size])
-                row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.remote[0], bare),
+                size = min(packed_nbytes(peer.plan, n), peer.sender.buffer_bytes)
+                bare = Descriptors(src=[peer.sender.host_base], dst=[peer.sender.remote[1]], length=[size])
+                row["mooncake_one"] = size / _timed(lambda: peer.transport.write(peer.sender.remote[0], bare),
                                                     args.reps, device) / 1e9
             row["both"] = sum(v[1] for k, v in row.items() if k.startswith("r")) / _timed(
                 lambda: [send(p, src, dst) for p in peers.values()], args.reps, device) / 1e9

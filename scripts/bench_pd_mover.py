@@ -3,7 +3,7 @@
 
 ``transfer=mooncake_tcp`` with ``transfer.staging=true`` (each request's cut runs packed
 per consumer rank, one Mooncake write per chunk into the consumer's registered host
-staging, scattered there: the ``mooncake`` mover of ``transfer/p2p.py``) against
+staging, scattered there: the ``mooncake`` mover, ``transfer/movers/staged_mooncake.py``) against
 ``staging=false`` (Mooncake writes every cut run straight into the consumer's registered
 caches: ``worker/kv_link.py``'s direct path). Two measures, each alternating staged and
 direct in one run:

@@ -20,9 +20,10 @@ from pdflow.graph import CONSUMER, PRODUCER, Code
 from pdflow.transfer import p2p
 from pdflow.transfer.errors import PairingRefused, TransferError
 from pdflow.transfer.grants import kv_nonce
+from pdflow.transfer.movers.group import GroupSender, pair_group
 from pdflow.transfer.p2p import P2PListener, P2PPeer, chunks
 from pdflow.transfer.p2p_messages import P2PRequest, PeerClosed
-from pdflow.transfer.p2p_parts import pair_group, peer_closed
+from pdflow.transfer.p2p_parts import peer_closed
 from pdflow.transfer.packing import packed_nbytes
 from pdflow.worker.kv_link import KVLink
 
@@ -181,6 +182,37 @@ def test_a_request_the_consumer_fails_mid_stream_ends_there_and_the_pair_serves_
         pairs.close()
 
 
+def test_the_ipc_movers_ack_loop_lands_every_head_on_cpu(graph_of, monkeypatch):
+    """The ``ipc`` mover's halves (the chunk-and-ack loop it shares with Mooncake staging,
+    and the in-process handover of the consumer's receive buffer) run on CPU caches when
+    both ends are told they share a GPU: several chunks per request land exactly, a bad
+    block fails its request at the first ack and the pair serves on, and the consumer's
+    session drops its in-process entry when the pair closes."""
+    from pdflow.transfer import p2p_listener, p2p_parts
+
+    monkeypatch.setattr(p2p, "choose_mover", lambda *_: "ipc")
+    monkeypatch.setattr(p2p_listener, "device_identity", lambda _: "cuda:one-gpu")
+    layout = ("prefill=pp2", "decode=tp2", "drafter=dspark")
+    per_block = packed_nbytes(graph_of(*BASE, *layout).cuts[0], 1)
+    before = set(p2p_parts.IN_PROCESS)
+    pairs = Pairs(graph_of(*BASE, *layout), buffer_bytes=per_block)
+    handed = set(p2p_parts.IN_PROCESS) - before
+    try:
+        assert {p.mover for p in pairs.peers.values()} == {"ipc"} and len(handed) == len(pairs.peers)
+        peer = next(iter(pairs.peers.values()))
+        with pytest.raises(TransferError, match="outside the pool"):
+            send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
+        pairs.move()
+        assert not peer.broken
+        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+    finally:
+        pairs.close()
+    deadline = time.monotonic() + 20
+    while any(lis._sessions for lis in pairs.listeners.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not handed & set(p2p_parts.IN_PROCESS), "a closed pair's buffer stays in the in-process table"
+
+
 def test_the_page_ignorant_cut_is_caught(pairs_of):
     pairs = pairs_of("prefill=pp2", "decode=tp2", "drafter=none", "transfer.force_page_ignorant_cut=[mha]")
     pairs.move()
@@ -240,7 +272,8 @@ def test_a_broken_pair_pairs_again_and_the_next_request_lands(graph_of, transpor
         assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
         assert sum(s.producer_rank == p for s in listener._sessions) == 1  # the old session is gone
         if transfer != "nccl":  # its staging's registration went with it; the new one's is there
-            assert old.host_base is None and _session(listener, p).host_base in listener.transport._registered
+            assert (old.receiver.host_base is None
+                    and _session(listener, p).receiver.host_base in listener.transport._registered)
     finally:
         pairs.close()
 
@@ -349,10 +382,13 @@ def test_a_set_up_that_fails_after_the_answer_closes_the_connection(graph_of, mo
     caches = caches_for(graph.rank(CONSUMER, 0).units, NUM_BLOCKS, fill="poison")
     listener = P2PListener(key=KEY, graph=graph, rank=0, caches=caches, spec=graph.spec.transfer)
 
-    def broken(buf):
+    made = GroupSender.set_up
+
+    def broken(self, ready):  # the producer's half only, once its group connected
+        made(self, ready)
         raise RuntimeError("a buffer that cannot be split")
 
-    monkeypatch.setattr(p2p, "two_halves", broken)
+    monkeypatch.setattr(GroupSender, "set_up", broken)
     try:
         prod = producer_caches_of(graph, NUM_BLOCKS)[0]
         cut = next(c for c in graph.cuts if c.producer_rank == 0 and c.consumer_rank == 0)

@@ -30,7 +30,7 @@ class TransferSpec:
     # about 1024 per peer and fails a larger batch at once.
     descriptor_batch: int = 256
     # Mooncake: pack a request's runs per consumer rank and write them chunk by chunk into
-    # its registered host staging (the ``mooncake`` mover of transfer/p2p.py) instead of one
+    # its registered host staging (the ``mooncake`` mover, transfer/movers/staged_mooncake.py) instead of one
     # descriptor per run into its caches (RDMA). Chosen by scripts/bench_pd_mover.py.
     staging: bool = True
     # A pair's receive buffer (and the producer's send buffer of it): a request larger

@@ -1,10 +1,10 @@
-"""What both ends of a ``transfer.p2p`` pair share: choosing how bytes move, the pair's
-process group, CUDA IPC handles, the chunks of a request's packed stream, and tracing."""
+"""What both ends of a ``transfer.p2p`` pair, and its movers, share: choosing how bytes
+move, a process group's deadline and abort, CUDA IPC handles and the in-process handover,
+the chunks of a request's packed stream, and tracing."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
 import select
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pdflow.graph import CutPlan
 from pdflow.transfer.errors import TransferError
-from pdflow.transfer.p2p_messages import CacheMapping, CudaIpcHandle
+from pdflow.transfer.p2p_messages import CudaIpcHandle
 from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes, pieces, unpack_piece
 
 # Per-phase times of each request, on stderr: "1" synchronizes the device at every phase
@@ -93,33 +93,6 @@ def peer_access(producer: str, consumer: str) -> bool:
     return mine is not None and theirs is not None and torch.cuda.can_device_access_peer(mine, theirs)
 
 
-def enable_peer_access(mine: torch.device, theirs: torch.device) -> None:
-    """Let kernels on ``mine`` write ``theirs``'s memory: torch enables peer access the
-    first time it copies between two devices, both ways here."""
-    if mine != theirs:
-        a = torch.zeros(1, device=mine)
-        b = torch.zeros(1, device=theirs)
-        b.copy_(a)
-        a.copy_(b)
-        torch.cuda.synchronize(mine)
-
-
-def share_cache(cache: torch.Tensor) -> CacheMapping:
-    return CacheMapping(storage=share_ipc(cache.untyped_storage()), byte_offset=cache.storage_offset() * cache.element_size(), num_blocks=cache.shape[0],
-                        nbytes=cache.numel() * cache.element_size())
-
-
-def map_cache(m: CacheMapping, device: torch.device, mapped: dict[tuple, torch.Tensor]) -> torch.Tensor:
-    """A consumer's cache as bytes [blocks, block bytes] in this process (each storage
-    mapped once: ``mapped`` keeps them, and keeps them alive). Storages carved from one
-    allocation share its handle and differ in offset: the key is both."""
-    key = (m.storage.handle, m.storage.offset, m.storage.size)
-    if key not in mapped:
-        mapped[key] = map_ipc(m.storage, device)
-    raw = mapped[key][m.byte_offset:m.byte_offset + m.nbytes]
-    return raw.view(m.num_blocks, -1)
-
-
 def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
     """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``.
 
@@ -166,42 +139,6 @@ def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
         left -= 2 * size
     n = max(1, -(-left // max_bytes))
     return head + [max(-(-left // n), floor)] * n + head[::-1]
-
-
-def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: torch.Tensor) -> dist.ProcessGroup:
-    """The pair's two-rank group (rank 1 the producer), connected before it returns:
-    ``probe`` (the largest message the pair will carry: half its buffer) crosses it, both
-    ends waiting. NCCL builds a communicator, and its peer connections, on the first
-    operation, allocating and mapping device memory, which waits for kernels already
-    running on the GPU; built during traffic, while another pair's receive waits on the
-    same GPU, two ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs:
-    each consumer rank pairs with three producer stages over NCCL; NVIDIA/nccl#195). At
-    pairing no transfer waits on the pair being built. Gloo connects when it is made: a
-    few bytes check it. A peer that never joins (or a failed probe) is a ``TransferError``,
-    which the producer answers as a refusal and the consumer as a closed pair."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.FileStore(store_path, 2)
-        store.set_timeout(timeout)
-        if mover == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            opts._timeout = timeout
-            group = dist.ProcessGroupGloo(store, rank, 2, opts)
-            probe = probe[:8]
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            # Twice the transfer deadline: a stalled peer is found first by the host (the ack
-            # or a chunk that does not come in ``timeout_s``), which aborts the group
-            # (``abort_group``) before torch's watchdog would end the process.
-            opts._timeout = 2 * timeout
-            group = dist.ProcessGroupNCCL(store, rank, 2, opts)
-        (group.send if rank == 1 else group.recv)([probe], 1 - rank, 0).wait()
-        synchronize(probe.device)
-    except RuntimeError as err:  # torch.distributed's store, backend and timeout errors
-        raise TransferError(f"the pair's {mover} group did not connect within {timeout_s} s: "
-                            f"{type(err).__name__}: {err}") from err
-    return group
 
 
 def abort_group(group: dist.ProcessGroup | None) -> None:
@@ -293,11 +230,6 @@ def share_in_process(value: object) -> str:
     return key
 
 
-def as_bytes_by_block(cache: torch.Tensor) -> torch.Tensor:
-    """A cache as bytes [blocks, block bytes], as ``map_cache`` gives a mapped one."""
-    return cache.view(-1).view(torch.uint8).view(cache.shape[0], -1)
-
-
 def share_ipc(storage: torch.UntypedStorage) -> CudaIpcHandle:
     (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = storage._share_cuda_()
     return CudaIpcHandle(device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
@@ -309,21 +241,6 @@ def map_ipc(h: CudaIpcHandle, device: torch.device) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(device.index, h.handle, h.size, h.offset, h.ref_counter_handle,
                                                     h.ref_counter_offset, h.event_handle, h.event_sync_required)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def mooncake_staging(nbytes: int, device: torch.device, transport) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Either end of a Mooncake pair: its host staging (pinned when the caches are on a
-    GPU), where ``transport`` registered it, and the buffer chunks are packed into or
-    scattered from (the staging itself on CPU; on a GPU a device buffer, copied through it)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    buf = host if device.type != "cuda" else torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return host, transport.register(host), buf  # registered last: a failed allocation leaves nothing to undo
-
-
-def two_halves(buf: torch.Tensor) -> list[torch.Tensor]:
-    """A pipelined pair's two slots (gloo, nccl): chunk i+1 fills one while chunk i moves."""
-    half = buf.numel() // 2
-    return [buf[:half], buf[half:2 * half]]
 
 
 def side_stream(device: torch.device):
