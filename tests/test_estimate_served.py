@@ -199,3 +199,29 @@ def test_a_pd_requests_exchange_is_what_pd_first_tokens_took_beyond_the_priced_p
     mono = Pricer(graph=build_graph(compose_spec(["drafter=none", "mode=monolithic", "decode=tp1"])), profile=prof,
                   role=CONSUMER)
     assert 512 / mono.prefill(128, 4)[1] == pytest.approx(0.0305 + 4 * (0.02 + 0.0128))  # no exchange
+
+
+@pytest.mark.parametrize("measured", [4000.0, 1500.0])
+def test_a_layouts_sustained_prefill_rate_prices_back_either_side_of_the_model(measured):
+    probe = replace(_probe(1, 2, 0.02, 0.3), prefill_tok_s=measured)
+    steps, _ = layout_costs(_profile(), [probe])
+    stepped = _profile(table_rank_step_by_layout=steps)
+    _, priced = Pricer(graph=probe_graph(probe), profile=stepped, role=CONSUMER).prefill(128, 4)
+    _, tokens = layout_costs(_profile(), [probe])
+    assert tokens["tp1pp2"] == pytest.approx(1 / measured - 1 / priced)  # per token of a step, either sign
+    pricer = Pricer(graph=probe_graph(probe), role=CONSUMER,
+                    profile=_profile(table_rank_step_by_layout=steps, rank_prefill_token_s_by_layout=tokens))
+    alone, tok_s = pricer.prefill(128, 4)
+    assert tok_s == pytest.approx(measured)
+    bare_alone, _ = Pricer(graph=probe_graph(probe), profile=stepped, role=CONSUMER).prefill(128, 4)
+    # a lone prompt's latency: only a cost adds to it, a pipeline's throughput gain does not
+    assert alone == pytest.approx(bare_alone + 128 * max(0.0, tokens["tp1pp2"]))
+
+
+def test_a_faster_layout_is_never_priced_past_its_busiest_stage():
+    prof = _profile(table_rank_step_by_layout={"tp1pp2": 0.0}, rank_prefill_token_s_by_layout={"tp1pp2": -1.0})
+    pricer = Pricer(graph=build_graph(compose_spec(["drafter=none", "mode=monolithic", "decode=tp1", "decode.pp=2"])),
+                    profile=prof, role=CONSUMER)
+    # 512 tokens as 4 prompts of 128, 4 layers of the tp1 / 1-thread shard (dense 1 ms + 4 x attention
+    # 1 ms) and the head on the last stage
+    assert pricer.prefill(128, 4)[1] == pytest.approx(512 / (4 * (1e-3 + 4 * 1e-3) + 6e-4))

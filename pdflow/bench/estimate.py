@@ -191,7 +191,9 @@ class Pricer:
 
     def prefill_token_s(self) -> float:
         """A prefill step's cost per token beyond its priced compute where this side's
-        layout was served with rank processes (0: one rank, or the layout not served)."""
+        layout was served with rank processes (0: one rank, or the layout not served;
+        below 0: the layout sustained more than priced, in throughput, not in a lone
+        prompt's latency)."""
         inst = self.graph.instance(self.role)
         if inst.tp * inst.pp == 1 or self.shard() is None:
             return 0.0
@@ -225,13 +227,14 @@ class Pricer:
         request = self.profile.request_overhead_s + length * self.profile.request_overhead_per_token_s
         if self.role == PRODUCER:  # P/D: the request's exchange between the instances too
             request += self.profile.exchange_request_s + length * self.profile.exchange_token_s
-        alone = request + length * self.prefill_token_s() + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
+        alone = request + length * max(0.0, self.prefill_token_s()) + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
         depth = self.depth(self.graph.instance(self.role).pp)
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
         per_step = (max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
                     + tokens * self.prefill_token_s())
+        per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
         return alone, tokens / per_step
 
 

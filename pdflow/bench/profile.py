@@ -53,6 +53,8 @@ class ServedProbe:
     batch_ttft_s: float = 0.0
     long_prompt_tokens: int = 0  # the same with prompts this long (0: not measured)
     batch_long_ttft_s: float = 0.0
+    # prompt tokens/s of 2 x ``batch`` long prompts, ``batch`` at a time (0: not measured)
+    prefill_tok_s: float = 0.0
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
     rounds: dict[str, list[float]] = field(default_factory=dict)  # each figure's rounds, for the record
@@ -385,8 +387,9 @@ def main(argv: list[str] | None = None, step_probe=None) -> int:
             print(f"{key:26} {value}")
     for probe in profile.probes:
         kind = "P/D tp1->tp1" if probe.disaggregated else f"tp{probe.tp} pp{probe.pp}"
-        print(f"probe {kind}: " + "; ".join(f"{k} " + " ".join(f"{v * 1e3:.1f}" for v in vs) + " ms"
-                                            for k, vs in probe.rounds.items() if vs))
+        print(f"probe {kind}: " + "; ".join(
+            f"{k} " + (" ".join(f"{v:.0f}" for v in vs) if k == "prefill_tok_s" else
+                       " ".join(f"{v * 1e3:.1f}" for v in vs) + " ms") for k, vs in probe.rounds.items() if vs))
     for table in profile.step_tables:
         print(f"step table {table.model}: " + ", ".join(f"tp{s.tp}/{s.threads} threads" for s in table.shards))
     print(f"\nsaved: {path} ({time.perf_counter() - started:.0f} s)")

@@ -104,15 +104,17 @@ def exchange_costs(profile: MachineProfile, probe: ServedProbe) -> tuple[float, 
 
 
 def layout_costs(profile: MachineProfile, probes: list[ServedProbe]) -> tuple[dict[str, float], dict[str, float]]:
-    """(rank step work a stage, prefill cost per token) by layout, for each probe with rank
-    processes, on a ``profile`` whose other serving costs are already set, >= 0:
+    """(rank step work a stage (>= 0), prefill cost per token) by layout, for each probe
+    with rank processes, on a ``profile`` whose other serving costs are already set:
 
     - decode: the estimate's ``batch`` streams make ``batch * depth / step`` tokens/s,
       the probe a token per stream every ``batch_step_s``; the rank work is what makes
       the two equal, spread over the stages (each stage's ranks do their own);
-    - prefill: ``batch`` prompts of ``long_prompt_tokens`` at once took ``batch_long_ttft_s``
-      to the last first token, the estimate one priced prefill step of them
-      (``Pricer.prefill``); what is left, per token of that step."""
+    - prefill: the layout sustained ``prefill_tok_s`` with ``batch`` prompts of
+      ``long_prompt_tokens`` at a time, the estimate prices a rate (``Pricer.prefill``);
+      the difference per token of a step, either way (a pipeline of stages, its steps in
+      flight, can serve prompts faster than the model's step prices; older probes: one
+      batch's time to the last first token, what it took beyond the priced step, >= 0)."""
     steps: dict[str, float] = {}
     tokens: dict[str, float] = {}
     for probe in probes:
@@ -125,9 +127,11 @@ def layout_costs(profile: MachineProfile, probes: list[ServedProbe]) -> tuple[di
         b = probe.batch
         served = pricer.depth(b) * probe.batch_step_s
         steps[key] = max(0.0, (served - pricer.step_s(b, probe.context, b)) / probe.pp)
-        if probe.batch_long_ttft_s > 0 and probe.long_prompt_tokens > 0:
-            stepped = replace(bare, table_rank_step_by_layout=bare.table_rank_step_by_layout | {key: steps[key]})
+        stepped = replace(bare, table_rank_step_by_layout=bare.table_rank_step_by_layout | {key: steps[key]})
+        _, tok_s = Pricer(graph=graph, profile=stepped, role=CONSUMER).prefill(probe.long_prompt_tokens, b)
+        if probe.prefill_tok_s > 0:  # what the layout sustains: either way of the priced rate
+            tokens[key] = 1.0 / probe.prefill_tok_s - 1.0 / tok_s
+        elif probe.batch_long_ttft_s > 0 and probe.long_prompt_tokens > 0:  # one batch's latency (older probes)
             n = b * probe.long_prompt_tokens
-            _, tok_s = Pricer(graph=graph, profile=stepped, role=CONSUMER).prefill(probe.long_prompt_tokens, b)
             tokens[key] = max(0.0, (probe.batch_long_ttft_s - n / tok_s) / n)
     return steps, tokens

@@ -16,6 +16,7 @@ median over rounds of the time to the last first token.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import statistics
 
@@ -31,7 +32,14 @@ PROMPT = [5, 6, 7, 8]
 BATCH = 4  # streams at once for the per-row cost of a step
 # A longer prompt for the part of a request's cost that grows with it (on 2 cores 4 prompts
 # of 128 tokens took ~50 ms beyond their priced compute where 4 of 4 tokens took ~17)
-LONG_PROMPT = [5 + i % 100 for i in range(128)]
+LONG = 128
+
+
+def long_prompts(n: int, salt: int) -> list[list[int]]:
+    """``n`` different ``LONG``-token prompts (the prefix cache holds none of them: the
+    same prompt again would be served from it after the first round)."""
+    rng = random.Random(f"probe:{salt}")
+    return [[rng.randrange(5, 105) for _ in range(LONG)] for _ in range(n)]
 _SAMPLE = re.compile(r'^pdflow_engine_(steps|step_seconds)_total\{kind="(\w+)",rows="(\d+)"\} (\S+)$')
 
 
@@ -70,7 +78,8 @@ def served_probe(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = Fa
     """The tiny model served with ``tp`` x ``pp`` rank processes: a decode step with one
     stream (tp1 x pp1 only: the step overhead) and with ``BATCH``, each the median of
     ``ROUNDS`` rounds' server-timed means; the first tokens of ``BATCH`` short and long
-    prompts at once; a lone short prompt's TTFT. ``disaggregated``: P/D tp1 -> tp1, first
+    prompts at once; with rank processes, the prompt tokens/s of long prompts ``BATCH`` at a
+    time; a lone short prompt's TTFT. ``disaggregated``: P/D tp1 -> tp1, first
     tokens only (what a request's exchange between the instances costs)."""
     from pdflow.serve.launch import serve_spec
 
@@ -94,20 +103,36 @@ def served_probe(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = Fa
                 gaps.append(decode_gap_s(before, totals(), streams))
             return gaps
 
-        def batch_ttft(prompt: list[int]) -> list[float]:
+        def batch_ttft(long: bool) -> list[float]:
             """``BATCH`` one-token requests at once: the time to the last first token."""
-            ask = WorkRequest(prompt=prompt, max_tokens=1, ignore_eos=True)
-            return [max(r.ttft_s or 0.0 for r in run([ask] * BATCH, BATCH)) for _ in range(ROUNDS)]
+            def asks(i):
+                prompts = long_prompts(BATCH, i) if long else [PROMPT] * BATCH
+                return [WorkRequest(prompt=p, max_tokens=1, ignore_eos=True) for p in prompts]
 
-        run([WorkRequest(prompt=LONG_PROMPT, max_tokens=16, ignore_eos=True)] * BATCH, BATCH)  # warm-up
+            return [max(r.ttft_s or 0.0 for r in run(asks(i), BATCH)) for i in range(ROUNDS)]
+
+        def prefill_rate() -> list[float]:
+            """Prompt tokens/s of ``2 * BATCH`` long prompts, ``BATCH`` at a time (a pipeline
+            of stages keeps steps in flight: what it sustains, not one batch's latency)."""
+            rates = []
+            for i in range(ROUNDS):
+                asks = [WorkRequest(prompt=p, max_tokens=1, ignore_eos=True)
+                        for p in long_prompts(2 * BATCH, 1000 + i)]
+                _, wall = asyncio.run(drive(target, asks, concurrency=BATCH, timeout_s=600, progress=False))
+                rates.append(2 * BATCH * LONG / wall)
+            return rates
+
+        run([WorkRequest(prompt=p, max_tokens=16, ignore_eos=True) for p in long_prompts(BATCH, -1)], BATCH)  # warm
         one = decode_rounds(1) if tp * pp == 1 and not disaggregated else []
         many = [] if disaggregated else decode_rounds(BATCH)
         firsts = run([WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)] * ROUNDS, 1)
-        short, long = batch_ttft(PROMPT), batch_ttft(LONG_PROMPT)
+        short, long = batch_ttft(False), batch_ttft(True)
+        rate = prefill_rate() if tp * pp > 1 else []
     median = statistics.median
     return ServedProbe(tp=tp, pp=pp, disaggregated=disaggregated, step_s=median(one or many or [0.0]), batch=BATCH,
                        batch_step_s=median(many or [0.0]),
                        ttft_s=median([r.ttft_s for r in firsts if r.ttft_s is not None]),
-                       batch_ttft_s=median(short), long_prompt_tokens=len(LONG_PROMPT),
-                       batch_long_ttft_s=median(long), prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2,
-                       rounds={"step_s": one, "batch_step_s": many, "batch_ttft_s": short, "batch_long_ttft_s": long})
+                       batch_ttft_s=median(short), long_prompt_tokens=LONG, batch_long_ttft_s=median(long),
+                       prefill_tok_s=median(rate or [0.0]), prompt_tokens=len(PROMPT), context=len(PROMPT) + TOKENS // 2,
+                       rounds={"step_s": one, "batch_step_s": many, "batch_ttft_s": short, "batch_long_ttft_s": long,
+                               "prefill_tok_s": rate})
