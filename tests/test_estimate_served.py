@@ -225,3 +225,24 @@ def test_a_faster_layout_is_never_priced_past_its_busiest_stage():
     # 512 tokens as 4 prompts of 128, 4 layers of the tp1 / 1-thread shard (dense 1 ms + 4 x attention
     # 1 ms) and the head on the last stage
     assert pricer.prefill(128, 4)[1] == pytest.approx(512 / (4 * (1e-3 + 4 * 1e-3) + 6e-4))
+
+
+def test_a_pd_requests_exchange_goes_by_the_consumers_rank_count():
+    from pdflow.bench.served_costs import exchange_costs
+
+    prof = _profile(exchange_request_s=0.004, exchange_request_by_ranks={"1": 0.004, "4": 0.016})
+
+    def exchange(*overrides):
+        return Pricer(graph=build_graph(compose_spec(["drafter=none", *overrides])), profile=prof,
+                      role=PRODUCER).exchange_request_s()
+
+    assert exchange("prefill=tp1", "decode=tp1") == pytest.approx(0.004)
+    assert exchange("prefill=pp2", "decode=tp2") == pytest.approx(0.004 + 0.012 / 3)  # 2 consumer ranks: between
+    assert exchange("prefill=pp4", "decode=tp4") == pytest.approx(0.016)
+    # the same probe priced with a per-token cost given: what both lengths leave at no prompt, their mean
+    probe = ServedProbe(disaggregated=True, tp=4, step_s=0.0, ttft_s=0.0, batch=4, batch_ttft_s=0.14, prompt_tokens=4,
+                        long_prompt_tokens=128, batch_long_ttft_s=0.3, context=28)
+    request, per_token = exchange_costs(_profile(), probe, per_token=1e-4)
+    short = (0.14 - (0.0185 + 4 * (0.02 + 4e-4))) / 4 - 4e-4
+    long = (0.3 - (0.0305 + 4 * (0.02 + 0.0128))) / 4 - 0.0128
+    assert per_token == 1e-4 and request == pytest.approx((short + long) / 2)

@@ -199,6 +199,21 @@ class Pricer:
             return 0.0
         return self.profile.rank_prefill_token_s_by_layout.get(self.layout(), 0.0)
 
+    def exchange_request_s(self) -> float:
+        """A P/D request's exchange at this graph's consumer rank count: linear between
+        the counts served (``exchange_request_by_ranks``), the nearest one's beyond them;
+        the tp1 -> tp1 figure where none was."""
+        by = {int(k): v for k, v in self.profile.exchange_request_by_ranks.items()}
+        if not by:
+            return self.profile.exchange_request_s
+        inst = self.graph.instance(CONSUMER)
+        n, ranks = inst.tp * inst.pp, sorted(by)
+        if n <= ranks[0] or n >= ranks[-1]:
+            return by[ranks[0] if n <= ranks[0] else ranks[-1]]
+        hi = next(r for r in ranks if r >= n)
+        lo = max(r for r in ranks if r < n)
+        return by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo)
+
     def step_s(self, tokens: int, context: int, rows: int) -> float:
         """One step's latency: every stage in turn, and (table-priced, a side without
         rank processes) each row's own host cost beyond the first; with rank processes
@@ -226,7 +241,7 @@ class Pricer:
         # a served request's own cost, same cores, and the part that grows with its prompt
         request = self.profile.request_overhead_s + length * self.profile.request_overhead_per_token_s
         if self.role == PRODUCER:  # P/D: the request's exchange between the instances too
-            request += self.profile.exchange_request_s + length * self.profile.exchange_token_s
+            request += self.exchange_request_s() + length * self.profile.exchange_token_s
         alone = request + length * max(0.0, self.prefill_token_s()) + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)

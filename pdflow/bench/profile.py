@@ -45,7 +45,7 @@ class ServedProbe:
     ttft_s: float
     tp: int = 1
     pp: int = 1
-    disaggregated: bool = False  # P/D tp1 -> tp1 (first tokens only)
+    disaggregated: bool = False  # P/D tp1 -> ``tp`` (first tokens only)
     batch: int = 1  # streams at once for ``batch_step_s``
     batch_step_s: float = 0.0  # the step with ``batch`` streams (0: not measured)
     # ``batch`` one-token requests at once: the median time to the last first token (0: not
@@ -110,9 +110,12 @@ class MachineProfile:
     table_rank_step_by_layout: dict[str, float] = field(default_factory=dict)
     rank_prefill_token_s_by_layout: dict[str, float] = field(default_factory=dict)
     # A P/D request's exchange between the instances beyond a monolithic one's serving
-    # cost: per request, and per prompt token (P/D tp1 -> tp1 served; ``served_costs``).
+    # cost: per request, and per prompt token (P/D tp1 -> tp1 served; ``served_costs``);
+    # per request by the consumer's rank count (P/D tp1 -> tp1 and -> tp4: each consumer
+    # rank takes its share of the KV and answers, on the same cores)
     exchange_request_s: float = 0.0
     exchange_token_s: float = 0.0
+    exchange_request_by_ranks: dict[str, float] = field(default_factory=dict)
     probes: list[ServedProbe] = field(default_factory=list)  # what the costs were derived from
 
     def save(self, path: Path) -> Path:
@@ -342,7 +345,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     # 2 and 4, whose ranks share the cores; each priced from its own served probe.
     layouts = [(2, 1), (1, 2), (4, 1), (1, 4)] if step_probe and device == "cpu" else []
     served = {(tp, pp): step_probe(device, tp) if pp == 1 else step_probe(device, tp, pp) for tp, pp in layouts}
-    exchange = step_probe(device, disaggregated=True) if layouts else None
+    exchange = {tp: step_probe(device, tp, disaggregated=True) for tp in ((1, 4) if layouts else ())}
     two = served.get((2, 1))
     # more ranks than cores: measured as served rather than scaled from TP2 (a rule that
     # priced a TP4 step at 45-55 ms where it took ~130)
@@ -361,12 +364,14 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
         table_rank_step_overhead_s=table_rank, request_overhead_s=request, table_rank_step_by_tp=rank_by_tp,
         request_overhead_per_token_s=request_per_token,
-        probes=[p for p in (one, *served.values(), exchange) if p is not None],
+        probes=[p for p in (one, *served.values(), *exchange.values()) if p is not None],
     )
     profile.table_rank_step_by_layout, profile.rank_prefill_token_s_by_layout = layout_costs(
         profile, list(served.values()))
-    if exchange is not None:
-        profile.exchange_request_s, profile.exchange_token_s = exchange_costs(profile, exchange)
+    if 1 in exchange:
+        profile.exchange_request_s, profile.exchange_token_s = exchange_costs(profile, exchange[1])
+        profile.exchange_request_by_ranks = {str(tp): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
+                                             for tp, p in exchange.items()}
     return profile
 
 
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None, step_probe=None) -> int:
         if key not in ("step_tables", "probes"):
             print(f"{key:26} {value}")
     for probe in profile.probes:
-        kind = "P/D tp1->tp1" if probe.disaggregated else f"tp{probe.tp} pp{probe.pp}"
+        kind = f"P/D tp1->tp{probe.tp}" if probe.disaggregated else f"tp{probe.tp} pp{probe.pp}"
         print(f"probe {kind}: " + "; ".join(
             f"{k} " + (" ".join(f"{v:.0f}" for v in vs) if k == "prefill_tok_s" else
                        " ".join(f"{v * 1e3:.1f}" for v in vs) + " ms") for k, vs in probe.rounds.items() if vs))

@@ -74,19 +74,22 @@ def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe,
 
 def probe_graph(probe: ServedProbe, device: str = "cpu"):
     """The run graph the probe served (``pdflow.serve.step_probe``'s spec)."""
-    layout = (["prefill=tp1", "decode=tp1"] if probe.disaggregated
+    layout = (["prefill=tp1", f"decode=tp{probe.tp}"] if probe.disaggregated
               else ["mode=monolithic", f"decode=tp{probe.tp}", f"decode.pp={probe.pp}"])
     return build_graph(compose_spec(["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
                                      f"prefill.device={device}"]))
 
 
-def exchange_costs(profile: MachineProfile, probe: ServedProbe) -> tuple[float, float]:
+def exchange_costs(profile: MachineProfile, probe: ServedProbe, *, per_token: float | None = None
+                   ) -> tuple[float, float]:
     """(per request, per prompt token) a P/D request costs beyond what its prefill side
     prices (its serving cost measured monolithic): ``batch`` prompts at once, short and
     long, to the last first token, less the priced prefill step of them, a request's
-    share; >= 0. The prefill side has one rank, so nothing else of the layout is in it."""
+    share; >= 0. The prefill side has one rank, so nothing else of the layout is in it.
+    ``per_token`` given: the request's part from both lengths with that per-token cost."""
     pricer = Pricer(graph=probe_graph(probe, profile.device), role=PRODUCER,
-                    profile=replace(profile, exchange_request_s=0.0, exchange_token_s=0.0))
+                    profile=replace(profile, exchange_request_s=0.0, exchange_token_s=0.0,
+                                    exchange_request_by_ranks={}))
 
     def share(ttft: float, prompt: int) -> float:
         _, tok_s = pricer.prefill(prompt, probe.batch)
@@ -95,6 +98,11 @@ def exchange_costs(profile: MachineProfile, probe: ServedProbe) -> tuple[float, 
     if probe.batch_ttft_s <= 0:
         return 0.0, 0.0
     short = share(probe.batch_ttft_s, probe.prompt_tokens)
+    if per_token is not None:  # the mean of what each length leaves at no prompt
+        at_zero = [short - probe.prompt_tokens * per_token]
+        if probe.batch_long_ttft_s > 0:
+            at_zero.append(share(probe.batch_long_ttft_s, probe.long_prompt_tokens) - probe.long_prompt_tokens * per_token)
+        return max(0.0, sum(at_zero) / len(at_zero)), per_token
     per_token = 0.0
     if probe.long_prompt_tokens > probe.prompt_tokens and probe.batch_long_ttft_s > 0:
         per_token = (share(probe.batch_long_ttft_s, probe.long_prompt_tokens) - short) / (

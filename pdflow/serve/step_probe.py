@@ -67,9 +67,9 @@ def decode_gap_s(before: dict, after: dict, streams: int) -> float:
 
 
 def probe_overrides(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> list[str]:
-    """The deployment a probe serves: monolithic ``tp`` x ``pp``, or P/D tp1 -> tp1."""
-    layout = ["prefill=tp1", "decode=tp1"] if disaggregated else ["mode=monolithic", f"decode=tp{tp}",
-                                                                   f"decode.pp={pp}"]
+    """The deployment a probe serves: monolithic ``tp`` x ``pp``, or P/D tp1 -> ``tp``."""
+    layout = ["prefill=tp1", f"decode=tp{tp}"] if disaggregated else ["mode=monolithic", f"decode=tp{tp}",
+                                                                       f"decode.pp={pp}"]
     return ["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
             f"prefill.device={device}"]
 
@@ -79,7 +79,7 @@ def served_probe(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = Fa
     stream (tp1 x pp1 only: the step overhead) and with ``BATCH``, each the median of
     ``ROUNDS`` rounds' server-timed means; the first tokens of ``BATCH`` short and long
     prompts at once; with rank processes, the prompt tokens/s of long prompts ``BATCH`` at a
-    time; a lone short prompt's TTFT. ``disaggregated``: P/D tp1 -> tp1, first
+    time; a lone short prompt's TTFT. ``disaggregated``: P/D tp1 -> ``tp``, first
     tokens only (what a request's exchange between the instances costs)."""
     from pdflow.serve.launch import serve_spec
 
@@ -127,7 +127,7 @@ def served_probe(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = Fa
         many = [] if disaggregated else decode_rounds(BATCH)
         firsts = run([WorkRequest(prompt=PROMPT, max_tokens=1, ignore_eos=True)] * ROUNDS, 1)
         short, long = batch_ttft(False), batch_ttft(True)
-        rate = prefill_rate() if tp * pp > 1 else []
+        rate = prefill_rate() if tp * pp > 1 and not disaggregated else []
     median = statistics.median
     return ServedProbe(tp=tp, pp=pp, disaggregated=disaggregated, step_s=median(one or many or [0.0]), batch=BATCH,
                        batch_step_s=median(many or [0.0]),
