@@ -170,7 +170,7 @@ def main() -> int:
     us = {k: round(v * 1e6, 2) for k, v in profile.rank_prefill_token_s_by_layout.items()}
     print(f"rank step by layout (ms): {ms}; prefill cost a token by layout (us): {us}; P/D exchange "
           f"{profile.exchange_request_s * 1e3:.3g} ms a request + {profile.exchange_token_s * 1e6:.3g} us a token; by "
-          f"consumer ranks (ms): { {k: round(v * 1e3, 2) for k, v in profile.exchange_request_by_ranks.items()} }")
+          f"KV rank pairs (ms): { {k: round(v * 1e3, 2) for k, v in profile.exchange_request_by_pairs.items()} }")
     return 0
 
 

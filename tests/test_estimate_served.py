@@ -227,18 +227,23 @@ def test_a_faster_layout_is_never_priced_past_its_busiest_stage():
     assert pricer.prefill(128, 4)[1] == pytest.approx(512 / (4 * (1e-3 + 4 * 1e-3) + 6e-4))
 
 
-def test_a_pd_requests_exchange_goes_by_the_consumers_rank_count():
+def test_a_pd_requests_exchange_goes_by_the_rank_pairs_that_move_its_kv():
     from pdflow.bench.served_costs import exchange_costs
 
-    prof = _profile(exchange_request_s=0.004, exchange_request_by_ranks={"1": 0.004, "4": 0.016})
+    prof = _profile(exchange_request_s=0.004, exchange_request_by_pairs={"1": 0.004, "4": 0.016})
 
     def exchange(*overrides):
         return Pricer(graph=build_graph(compose_spec(["drafter=none", *overrides])), profile=prof,
                       role=PRODUCER).exchange_request_s()
 
+    # 4 ms a request at 1 pair, 16 at 4: 4 ms a pair beyond the first
     assert exchange("prefill=tp1", "decode=tp1") == pytest.approx(0.004)
-    assert exchange("prefill=pp2", "decode=tp2") == pytest.approx(0.004 + 0.012 / 3)  # 2 consumer ranks: between
-    assert exchange("prefill=pp4", "decode=tp4") == pytest.approx(0.016)
+    assert exchange("prefill=tp2", "decode=tp2") == pytest.approx(0.008)  # 2 pairs: each tp rank its heads
+    assert exchange("prefill=pp2", "decode=tp2") == pytest.approx(0.016)  # 2 stages x 2 consumer ranks
+    assert exchange("prefill=pp4", "decode=tp4") == pytest.approx(0.004 + 15 * 0.004)  # 16 pairs: extended
+    single = _profile(exchange_request_s=0.004, exchange_request_by_pairs={"1": 0.005})
+    assert Pricer(graph=build_graph(compose_spec(["drafter=none", "prefill=pp4", "decode=tp4"])), profile=single,
+                  role=PRODUCER).exchange_request_s() == 0.005  # one count served: its figure
     # the same probe priced with a per-token cost given: what both lengths leave at no prompt, their mean
     probe = ServedProbe(disaggregated=True, tp=4, step_s=0.0, ttft_s=0.0, batch=4, batch_ttft_s=0.14, prompt_tokens=4,
                         long_prompt_tokens=128, batch_long_ttft_s=0.3, context=28)

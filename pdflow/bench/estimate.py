@@ -200,19 +200,17 @@ class Pricer:
         return self.profile.rank_prefill_token_s_by_layout.get(self.layout(), 0.0)
 
     def exchange_request_s(self) -> float:
-        """A P/D request's exchange at this graph's consumer rank count: linear between
-        the counts served (``exchange_request_by_ranks``), the nearest one's beyond them;
-        the tp1 -> tp1 figure where none was."""
-        by = {int(k): v for k, v in self.profile.exchange_request_by_ranks.items()}
-        if not by:
-            return self.profile.exchange_request_s
-        inst = self.graph.instance(CONSUMER)
-        n, ranks = inst.tp * inst.pp, sorted(by)
-        if n <= ranks[0] or n >= ranks[-1]:
-            return by[ranks[0] if n <= ranks[0] else ranks[-1]]
-        hi = next(r for r in ranks if r >= n)
-        lo = max(r for r in ranks if r < n)
-        return by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo)
+        """A P/D request's exchange at this graph's rank pairs that move its KV: linear
+        in the pairs through the counts served (``exchange_request_by_pairs``; the last
+        segment's slope beyond them, the first's before), >= 0; the tp1 -> tp1 figure
+        where only that was served."""
+        by = {int(k): v for k, v in self.profile.exchange_request_by_pairs.items()}
+        if len(by) < 2:
+            return next(iter(by.values()), self.profile.exchange_request_s)
+        n, pairs = kv_pairs(self.graph), sorted(by)
+        hi = next((p for p in pairs[1:] if p >= n), pairs[-1])
+        lo = pairs[pairs.index(hi) - 1]
+        return max(0.0, by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo))
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
         """One step's latency: every stage in turn, and (table-priced, a side without
@@ -251,6 +249,11 @@ class Pricer:
                     + tokens * self.prefill_token_s())
         per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
         return alone, tokens / per_step
+
+
+def kv_pairs(graph: RunGraph) -> int:
+    """Producer -> consumer rank pairs that move a prompt's KV (each its own transfer)."""
+    return len({(cut.producer_rank, cut.consumer_rank) for cut in graph.cuts})
 
 
 def devices_of(graph: RunGraph) -> int:

@@ -111,11 +111,12 @@ class MachineProfile:
     rank_prefill_token_s_by_layout: dict[str, float] = field(default_factory=dict)
     # A P/D request's exchange between the instances beyond a monolithic one's serving
     # cost: per request, and per prompt token (P/D tp1 -> tp1 served; ``served_costs``);
-    # per request by the consumer's rank count (P/D tp1 -> tp1 and -> tp4: each consumer
-    # rank takes its share of the KV and answers, on the same cores)
+    # per request by the rank pairs that move a prompt's KV (``RunGraph.cuts``; P/D tp1 ->
+    # tp1: 1, tp1 -> tp4: 4): each pair's transfer is its own messages and answer, on the
+    # same cores
     exchange_request_s: float = 0.0
     exchange_token_s: float = 0.0
-    exchange_request_by_ranks: dict[str, float] = field(default_factory=dict)
+    exchange_request_by_pairs: dict[str, float] = field(default_factory=dict)
     probes: list[ServedProbe] = field(default_factory=list)  # what the costs were derived from
 
     def save(self, path: Path) -> Path:
@@ -310,7 +311,8 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     import torch
 
     # served_costs prices with the estimate's Pricer, which reads this module: imported here
-    from pdflow.bench.served_costs import exchange_costs, layout_costs, table_overheads
+    from pdflow.bench.estimate import kv_pairs
+    from pdflow.bench.served_costs import exchange_costs, layout_costs, probe_graph, table_overheads
     from pdflow.bench.step_timing import measure_step_table
     from pdflow.spec.load import compose_spec
 
@@ -370,8 +372,9 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         profile, list(served.values()))
     if 1 in exchange:
         profile.exchange_request_s, profile.exchange_token_s = exchange_costs(profile, exchange[1])
-        profile.exchange_request_by_ranks = {str(tp): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
-                                             for tp, p in exchange.items()}
+        profile.exchange_request_by_pairs = {
+            str(kv_pairs(probe_graph(p, profile.device))): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
+            for p in exchange.values()}
     return profile
 
 

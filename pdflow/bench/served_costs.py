@@ -89,7 +89,7 @@ def exchange_costs(profile: MachineProfile, probe: ServedProbe, *, per_token: fl
     ``per_token`` given: the request's part from both lengths with that per-token cost."""
     pricer = Pricer(graph=probe_graph(probe, profile.device), role=PRODUCER,
                     profile=replace(profile, exchange_request_s=0.0, exchange_token_s=0.0,
-                                    exchange_request_by_ranks={}))
+                                    exchange_request_by_pairs={}))
 
     def share(ttft: float, prompt: int) -> float:
         _, tok_s = pricer.prefill(prompt, probe.batch)
