@@ -5,7 +5,9 @@ Each point is a deployment (Hydra overrides) served like ``pdflow run`` serves i
 workloads measure it: ``prefill`` (``--prompt`` tokens, ``--concurrency`` at a time, one
 output token: prompt tokens/s) and ``serve`` with fixed lengths (16-token prompts,
 ``--output`` tokens each, ``--concurrency`` at once: decode tokens/s = concurrency /
-mean time per output token). The estimate prices the same graph with the machine
+mean time per output token), each once in a fresh server and then ``--repeats`` times more
+with other prompts: the median of the repeats is compared, their range and the first run
+shown beside it. The estimate prices the same graph with the machine
 profile, measured at the start of this run unless ``--profile FILE`` is given.
 
   python scripts/bench_estimate.py                       # CPU, tiny model, the CPU points
@@ -44,29 +46,38 @@ COMMON = ["drafter=none", "tracking=off", "workload.progress=false"]
 
 
 def measure_point(overrides: list[str], args) -> dict:
-    """Serve the deployment once per workload (a fresh process: nothing cached between)."""
+    """Serve the deployment once per workload (a fresh process: nothing cached between);
+    in it, the workload once (``first``: a fresh server, what one run measures) and then
+    ``--repeats`` more times with other prompts (the workload's seed + i, so the prefix
+    cache serves none of them): each figure is their median, with their min and max."""
     code = f"""
-import json, sys
+import dataclasses, json, statistics, sys
 from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
 from pdflow.serve.launch import serve_spec
 from pdflow.spec.load import compose_spec
 out = {{}}
+def figure(name, result):
+    if name == "prefill":
+        return result.metrics["prompt_throughput_tok_s"]
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in result.rows
+            if r["ok"] and r["completion_tokens"] > 1]
+    return len(tpot) / (sum(tpot) / len(tpot)) if tpot else float("nan")
 for name, extra in (("prefill", ["workload=prefill", "workload.num_requests={args.requests}",
                                  "workload.prompt_tokens={args.prompt}", "workload.concurrency={args.concurrency}"]),
                     ("decode", ["workload=serve", "workload.num_requests={args.concurrency}",
                                 "workload.concurrency={args.concurrency}", "workload.input_len=[16,16]",
                                 "workload.output_len=[{args.output},{args.output}]"])):
     spec = compose_spec(sys.argv[1:] + extra)
+    got = []
     with serve_spec(spec, port=0) as served:
         target = Target(url=served.url, model=served.model_name, api_key=served.api_key)
-        result = run_workloads_sync(target, prepare(build_workloads(spec.workload, vocab=spec.model.vocab)),
-                                    spec.workload)
-    if name == "prefill":
-        out["prefill_tok_s"] = result.metrics["prompt_throughput_tok_s"]
-    else:
-        tpot = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in result.rows
-                if r["ok"] and r["completion_tokens"] > 1]
-        out["decode_tok_s"] = len(tpot) / (sum(tpot) / len(tpot)) if tpot else float("nan")
+        for i in range({args.repeats} + 1):
+            work = dataclasses.replace(spec.workload, seed=spec.workload.seed + i)
+            got.append(figure(name, run_workloads_sync(target, prepare(build_workloads(work, vocab=spec.model.vocab)),
+                                                       work)))
+    rest = got[1:] or got
+    out[name + "_tok_s"] = statistics.median(rest)
+    out[name + "_runs"] = got
 print("RESULT " + json.dumps(out))
 """
     done = subprocess.run([sys.executable, "-c", code, *COMMON, *overrides], capture_output=True, text=True,
@@ -75,6 +86,12 @@ print("RESULT " + json.dumps(out))
     if line is None:
         return {"error": (done.stderr or done.stdout)[-400:]}
     return json.loads(line[len("RESULT "):])
+
+
+def spread(got: dict, key: str) -> str:
+    """The repeats' range (the fresh server's first run apart), as min-max."""
+    runs = got.get(key.replace("_tok_s", "_runs"), [])[1:]
+    return f"{min(runs):.4g}-{max(runs):.4g}" if runs else "-"
 
 
 def estimate_point(overrides: list[str], profile, args) -> dict:
@@ -101,6 +118,8 @@ def main() -> int:
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="times each workload runs after its first in the same server (the median is compared)")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--save", default=None, help="write what was measured here (JSON, by point number)")
     parser.add_argument("--measured", default=None,
@@ -115,9 +134,10 @@ def main() -> int:
                else measure(args.device, served_probe, models=models))
     points = POINTS[args.points]
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(points))
-    print("| point | prefill tok/s est | measured | est/meas | decode tok/s est | measured | est/meas |")
-    print("|---|---|---|---|---|---|---|")
-    within, total = 0, 0
+    print("| point | prefill tok/s est | measured (median) | spread | first | est/meas | decode tok/s est | "
+          "measured (median) | spread | first | est/meas |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    within, within_first, total = 0, 0, 0
     measured, saved = json.loads(Path(args.measured).read_text()) if args.measured else {}, {}
     for i in chosen:
         overrides = points[i]
@@ -134,7 +154,9 @@ def main() -> int:
             ratio = est[key] / got[key]
             within += abs(ratio - 1) <= 0.25
             total += 1
-            cells += [f"{est[key]:.4g}", f"{got[key]:.4g}", f"{ratio:.2f}"]
+            first = got.get(key.replace("_tok_s", "_runs"), [got[key]])[0]
+            within_first += abs(est[key] / first - 1) <= 0.25
+            cells += [f"{est[key]:.4g}", f"{got[key]:.4g}", spread(got, key), f"{first:.4g}", f"{ratio:.2f}"]
         print(f"| {' '.join(overrides)} | " + " | ".join(cells) + " |", flush=True)
     tables = ", ".join(t.model for t in profile.step_tables) or "none: priced by the GEMM rate"
     print(f"\nwithin +-25%: {within}/{total} = {within / max(1, total):.0%} "
@@ -143,6 +165,12 @@ def main() -> int:
           f"rank step "
           f"{profile.table_rank_step_overhead_s * 1e3:.3g} ms, request {profile.request_overhead_s * 1e3:.3g} ms, "
           f"GEMM {profile.gemm_flops_s / 1e9:.3g} GFLOP/s, {profile.cores} cores)")
+    print(f"against each point's first run alone (a fresh server): {within_first}/{total}")
+    ms = {k: round(v * 1e3, 2) for k, v in profile.table_rank_step_by_layout.items()}
+    us = {k: round(v * 1e6, 2) for k, v in profile.rank_prefill_token_s_by_layout.items()}
+    print(f"rank step by layout (ms): {ms}; prefill cost a token by layout (us): {us}; P/D exchange "
+          f"{profile.exchange_request_s * 1e3:.3g} ms a request + {profile.exchange_token_s * 1e6:.3g} us a token; by "
+          f"KV rank pairs (ms): { {k: round(v * 1e3, 2) for k, v in profile.exchange_request_by_pairs.items()} }")
     return 0
 
 

@@ -170,13 +170,14 @@ def test_the_tiny_models_layer_is_timed_per_shard():
 def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     """Hand-computed from the table above; and priced back, the profile reproduces the
     served steps it was measured on (the decomposition adds up)."""
-    from pdflow.bench.profile import ServedProbe, _table_overheads
+    from pdflow.bench.profile import ServedProbe
+    from pdflow.bench.served_costs import table_overheads
 
     prof = _tiny_profile()
     one = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, prompt_tokens=4, context=28)
     two = ServedProbe(step_s=0.06, ttft_s=0.09, prompt_tokens=4, context=28)
     four = ServedProbe(step_s=0.13, ttft_s=0.2, prompt_tokens=4, context=28)
-    step, row, rank, request, by_tp, per_token = _table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4,
+    step, row, rank, request, by_tp, per_token = table_overheads(prof.step_tables[0], 2, 8, one, two, 5e-4, 2e-4,
                                                                   {4: four})
     assert per_token == 0.0  # no long-prompt rounds
     # 4 ranks on 2 cores take turns: twice the shard's compute
@@ -203,18 +204,18 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
                            prompt_tokens=4, context=28)
     # 4 one-token requests at once: the batch step's compute (16 tokens over 4 rows: the decode
     # row), the step and 3 rows' cost, the rest split 4 ways
-    assert _table_overheads(prof.step_tables[0], 2, 8, together, two, 5e-4, 2e-4)[3] == pytest.approx(
+    assert table_overheads(prof.step_tables[0], 2, 8, together, two, 5e-4, 2e-4)[3] == pytest.approx(
         (0.12 - step - 3 * row - (8 * 1e-3 + 5e-4)) / 4)
     together_long = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, batch_ttft_s=0.12,
                                 prompt_tokens=4, context=28, long_prompt_tokens=128, batch_long_ttft_s=0.3)
     # 4 prompts of 128: dense at 512 tokens + 4 prompts' attention at 128, a layer, 8 layers + head
-    got = _table_overheads(prof.step_tables[0], 2, 8, together_long, two, 5e-4, 2e-4)
+    got = table_overheads(prof.step_tables[0], 2, 8, together_long, two, 5e-4, 2e-4)
     short = (0.12 - step - 3 * row - (8 * 1e-3 + 5e-4)) / 4
     long = (0.3 - step - 3 * row - (8 * (5e-4 + 4 * 5e-4) + 5e-4)) / 4
     assert got[3] == pytest.approx(short) and got[5] == pytest.approx((long - short) / 124)
     # with rank processes both streams' medians measure the step: their mean (0.07 and 0.05: 0.06)
     both = ServedProbe(step_s=0.07, ttft_s=0.09, batch=4, batch_step_s=0.05, prompt_tokens=4, context=28)
-    assert _table_overheads(prof.step_tables[0], 2, 8, one, both, 5e-4, 2e-4)[2] == pytest.approx(rank)
+    assert table_overheads(prof.step_tables[0], 2, 8, one, both, 5e-4, 2e-4)[2] == pytest.approx(rank)
 
 
 def test_gpu_points_stop_at_the_models_positions():

@@ -9,7 +9,8 @@ shard or thread count (an older profile), the larger of its FLOPs at the rank's 
 rate and its bytes at the memory bandwidth (said once). Under TP two all-reduces per
 layer; a step adds the pipeline hops, the engine's per-step host overhead and, when the
 side has rank processes, one owner <-> rank message and each stage's measured per-step
-rank work. A served request adds its measured serving cost (HTTP, admission, stream) to
+rank work (its layout's as served where the profile served it), and a prefill step the
+layout's measured cost per token. A served request adds its measured serving cost (HTTP, admission, stream) to
 its TTFT and to a prefill step per request. Nothing here places or lays out anything:
 every shape is asked of the graph.
 
@@ -176,10 +177,40 @@ class Pricer:
         if inst.tp * inst.pp > 1:  # rank processes: a message each way, each stage's own step work
             crowd = max(1.0, inst.tp / prof.cores) if prof.device == "cpu" else 1.0
             rank_step = prof.table_rank_step_overhead_s if by_table else prof.rank_step_overhead_s
-            if by_table and str(inst.tp) in prof.table_rank_step_by_tp:  # measured as served, crowd and all
+            if by_table and self.layout() in prof.table_rank_step_by_layout:  # this layout served
+                crowd, rank_step = 1.0, prof.table_rank_step_by_layout[self.layout()]
+            elif by_table and str(inst.tp) in prof.table_rank_step_by_tp:  # measured as served, crowd and all
                 crowd, rank_step = 1.0, prof.table_rank_step_by_tp[str(inst.tp)]
             ranks = prof.rank_message_s + inst.pp * crowd * rank_step
         return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
+
+    def layout(self) -> str:
+        """The profile's key for this side's rank layout (``served_costs.layout_key``)."""
+        inst = self.graph.instance(self.role)
+        return f"tp{inst.tp}pp{inst.pp}"
+
+    def prefill_token_s(self) -> float:
+        """A prefill step's cost per token beyond its priced compute where this side's
+        layout was served with rank processes (0: one rank, or the layout not served;
+        below 0: the layout sustained more than priced, in throughput, not in a lone
+        prompt's latency)."""
+        inst = self.graph.instance(self.role)
+        if inst.tp * inst.pp == 1 or self.shard() is None:
+            return 0.0
+        return self.profile.rank_prefill_token_s_by_layout.get(self.layout(), 0.0)
+
+    def exchange_request_s(self) -> float:
+        """A P/D request's exchange at this graph's rank pairs that move its KV: linear
+        in the pairs through the counts served (``exchange_request_by_pairs``; the last
+        segment's slope beyond them, the first's before), >= 0; the tp1 -> tp1 figure
+        where only that was served."""
+        by = {int(k): v for k, v in self.profile.exchange_request_by_pairs.items()}
+        if len(by) < 2:
+            return next(iter(by.values()), self.profile.exchange_request_s)
+        n, pairs = kv_pairs(self.graph), sorted(by)
+        hi = next((p for p in pairs[1:] if p >= n), pairs[-1])
+        lo = pairs[pairs.index(hi) - 1]
+        return max(0.0, by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo))
 
     def step_s(self, tokens: int, context: int, rows: int) -> float:
         """One step's latency: every stage in turn, and (table-priced, a side without
@@ -207,13 +238,22 @@ class Pricer:
         chunks = math.ceil(length / chunk)
         # a served request's own cost, same cores, and the part that grows with its prompt
         request = self.profile.request_overhead_s + length * self.profile.request_overhead_per_token_s
-        alone = request + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
+        if self.role == PRODUCER:  # P/D: the request's exchange between the instances too
+            request += self.exchange_request_s() + length * self.profile.exchange_token_s
+        alone = request + length * max(0.0, self.prefill_token_s()) + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
         depth = self.depth(self.graph.instance(self.role).pp)
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
-        per_step = max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
+        per_step = (max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
+                    + tokens * self.prefill_token_s())
+        per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
         return alone, tokens / per_step
+
+
+def kv_pairs(graph: RunGraph) -> int:
+    """Producer -> consumer rank pairs that move a prompt's KV (each its own transfer)."""
+    return len({(cut.producer_rank, cut.consumer_rank) for cut in graph.cuts})
 
 
 def devices_of(graph: RunGraph) -> int:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdflow.bench.step_table import StepTable, geometry_of, interpolate
+from pdflow.bench.step_table import StepTable, geometry_of
 
 VERSION = 2  # 2: step tables and the serving costs measured against them
 DEFAULT_PATH = Path("~/.cache/pdflow/profile.json")
@@ -37,21 +37,27 @@ ROWS = 2048
 
 @dataclass(kw_only=True, slots=True)
 class ServedProbe:
-    """One served request of the tiny model (``pdflow.serve.step_probe``): the median
-    gap between its streamed tokens (a decode step as served) and its time to first token
-    (a 4-token prompt)."""
+    """The tiny model served with ``tp`` x ``pp`` rank processes (``pdflow.serve.step_probe``):
+    a decode step as served (with one stream, and with ``batch``: a stream's mean time
+    per token, timed by the server) and first tokens as a client sees them."""
 
     step_s: float
     ttft_s: float
+    tp: int = 1
+    pp: int = 1
+    disaggregated: bool = False  # P/D tp1 -> ``tp`` (first tokens only)
     batch: int = 1  # streams at once for ``batch_step_s``
-    batch_step_s: float = 0.0  # the median gap with ``batch`` streams (0: not measured)
+    batch_step_s: float = 0.0  # the step with ``batch`` streams (0: not measured)
     # ``batch`` one-token requests at once: the median time to the last first token (0: not
     # measured); what a request costs when they come together, as a workload sends them
     batch_ttft_s: float = 0.0
     long_prompt_tokens: int = 0  # the same with prompts this long (0: not measured)
     batch_long_ttft_s: float = 0.0
+    # prompt tokens/s of 2 x ``batch`` long prompts, ``batch`` at a time (0: not measured)
+    prefill_tok_s: float = 0.0
     prompt_tokens: int  # of the request whose TTFT this is
     context: int  # mean context of the decode steps
+    rounds: dict[str, list[float]] = field(default_factory=dict)  # each figure's rounds, for the record
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,6 +104,20 @@ class MachineProfile:
     # The part of a served request's cost that grows with its prompt, per prompt token
     # (4 requests at once of 4 and of 128 tokens; what arrives a step late waits a step).
     request_overhead_per_token_s: float = 0.0
+    # Layouts served with rank processes ("tp2pp1", "tp1pp4", ...; ``served_costs``): a
+    # stage's rank step work, and what a prefill step costs per token beyond its priced
+    # compute, collectives and requests (ranks taking turns while activations move).
+    table_rank_step_by_layout: dict[str, float] = field(default_factory=dict)
+    rank_prefill_token_s_by_layout: dict[str, float] = field(default_factory=dict)
+    # A P/D request's exchange between the instances beyond a monolithic one's serving
+    # cost: per request, and per prompt token (P/D tp1 -> tp1 served; ``served_costs``);
+    # per request by the rank pairs that move a prompt's KV (``RunGraph.cuts``; P/D tp1 ->
+    # tp1: 1, tp1 -> tp4: 4): each pair's transfer is its own messages and answer, on the
+    # same cores
+    exchange_request_s: float = 0.0
+    exchange_token_s: float = 0.0
+    exchange_request_by_pairs: dict[str, float] = field(default_factory=dict)
+    probes: list[ServedProbe] = field(default_factory=list)  # what the costs were derived from
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +128,7 @@ class MachineProfile:
     def load(cls, path: Path) -> MachineProfile:
         raw = json.loads(path.read_text())
         raw["step_tables"] = [StepTable.from_dict(t) for t in raw.get("step_tables", [])]
+        raw["probes"] = [ServedProbe(**p) for p in raw.get("probes", [])]
         return cls(**raw)
 
     def step_table(self, model) -> StepTable | None:
@@ -280,59 +301,18 @@ def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
     return max(0.0, step_s - compute)
 
 
-def _table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,
-                     allreduce: float, rank_message: float, more: dict[int, ServedProbe] | None = None):
-    """(step, row, rank step, request, rank step by TP degree of ``more``) overheads: what
-    the served tiny model's steps and first token took beyond their table-priced compute
-    (and, with rank processes, collectives), >= 0."""
-    def compute(tp: int, tokens: int, rows: int, context: int) -> float:
-        """As the estimate prices it: ranks beyond the cores take turns (``Pricer._stage_s``)."""
-        threads = max(1, cores // tp)
-        shard = table.shard(tp, threads)
-        if shard is None:
-            return 0.0
-        crowd = max(1.0, tp * threads / cores)
-        return crowd * (layers * shard.layer_s(tokens, rows, context) + interpolate(shard.head_s, rows))
-
-    step = max(0.0, one.step_s - compute(1, 1, 1, one.context))
-    row = 0.0
-    if one.batch > 1 and one.batch_step_s > 0:
-        row = max(0.0, (one.batch_step_s - step - compute(1, one.batch, one.batch, one.context)) / (one.batch - 1))
-    request = max(0.0, one.ttft_s - step - compute(1, one.prompt_tokens, 1, one.prompt_tokens // 2 + 1))
-    def share(ttft: float, prompt: int) -> float:
-        """A request's share of a batch of them beyond their priced step."""
-        tokens = one.batch * prompt
-        return (ttft - step - (one.batch - 1) * row - compute(1, tokens, one.batch, prompt // 2 + 1)) / one.batch
-
-    per_token = 0.0
-    if one.batch > 1 and one.batch_ttft_s > 0:  # a request's share of a batch of them (a lone one
-        # swung 10-40 ms run to run on 2 cores where 4 at once cost ~43 ms each)
-        request = max(0.0, share(one.batch_ttft_s, one.prompt_tokens))
-        if one.long_prompt_tokens > one.prompt_tokens and one.batch_long_ttft_s > 0:
-            per_token = max(0.0, (share(one.batch_long_ttft_s, one.long_prompt_tokens) - request)
-                            / (one.long_prompt_tokens - one.prompt_tokens))
-    def rank_step(probe: ServedProbe | None, tp: int) -> float:
-        """Rank processes: rows' host work overlaps their compute (4 streams cost no more
-        than 1 as measured), so both medians measure the step: their mean (the quieter of
-        the two, taken before, priced TP2's rank work at 5-18 ms in consecutive profiles)."""
-        if probe is None:
-            return 0.0
-        served = (probe.step_s + probe.batch_step_s) / 2 if probe.batch_step_s > 0 else probe.step_s
-        return max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(tp, 1, 1, probe.context))
-
-    return (step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()},
-            per_token)
-
-
 def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
             tps: tuple[int, ...] | None = None) -> MachineProfile:
-    """``step_probe(device, tp)``: a ``ServedProbe`` of the tiny model served with ``tp``
-    ranks (``pdflow.serve.step_probe``, which the command passes in: serving sits above
+    """``step_probe(device, tp[, pp])``: a ``ServedProbe`` of the tiny model served with
+    ``tp`` x ``pp`` ranks (``pdflow.serve.step_probe``, which the command passes in: serving sits above
     this package). ``models``: config names to time a step table for (the tiny model's
     always, which the serving costs are measured against); ``tps``: their TP shards
     (default: 1, 2, 4 on a CPU, 1 on a GPU)."""
     import torch
 
+    # served_costs prices with the estimate's Pricer, which reads this module: imported here
+    from pdflow.bench.estimate import kv_pairs
+    from pdflow.bench.served_costs import exchange_costs, layout_costs, probe_graph, table_overheads
     from pdflow.bench.step_timing import measure_step_table
     from pdflow.spec.load import compose_spec
 
@@ -363,16 +343,21 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
                                  _timed) for name in dict.fromkeys(("tiny", *models))]
     rank_message = _pipe_round_trip()
     one = step_probe(device, 1) if step_probe else None
-    two = step_probe(device, 2) if step_probe and device == "cpu" else None
+    # Rank layouts served on a CPU (a GPU host's ranks each have a device): TP and PP of
+    # 2 and 4, whose ranks share the cores; each priced from its own served probe.
+    layouts = [(2, 1), (1, 2), (4, 1), (1, 4)] if step_probe and device == "cpu" else []
+    served = {(tp, pp): step_probe(device, tp) if pp == 1 else step_probe(device, tp, pp) for tp, pp in layouts}
+    exchange = {tp: step_probe(device, tp, disaggregated=True) for tp in ((1, 4) if layouts else ())}
+    two = served.get((2, 1))
     # more ranks than cores: measured as served rather than scaled from TP2 (a rule that
     # priced a TP4 step at 45-55 ms where it took ~130)
-    more = {4: step_probe(device, 4)} if two is not None and cores < 4 else {}
+    more = {4: served[(4, 1)]} if (4, 1) in served and cores < 4 else {}
     layers = compose_spec(["model=tiny"]).model.layers
     rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
     table_step, table_row, table_rank, request, rank_by_tp, request_per_token = (
-        _table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message, more) if one
+        table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message, more) if one
         else (0.0, 0.0, 0.0, 0.0, {}, 0.0))
-    return MachineProfile(
+    profile = MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
         transfer_bytes_s=rates, transfer_latency_s=latencies, rank_message_s=rank_message,
@@ -381,7 +366,16 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
         table_rank_step_overhead_s=table_rank, request_overhead_s=request, table_rank_step_by_tp=rank_by_tp,
         request_overhead_per_token_s=request_per_token,
+        probes=[p for p in (one, *served.values(), *exchange.values()) if p is not None],
     )
+    profile.table_rank_step_by_layout, profile.rank_prefill_token_s_by_layout = layout_costs(
+        profile, list(served.values()))
+    if 1 in exchange:
+        profile.exchange_request_s, profile.exchange_token_s = exchange_costs(profile, exchange[1])
+        profile.exchange_request_by_pairs = {
+            str(kv_pairs(probe_graph(p, profile.device))): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
+            for p in exchange.values()}
+    return profile
 
 
 def main(argv: list[str] | None = None, step_probe=None) -> int:
@@ -397,8 +391,13 @@ def main(argv: list[str] | None = None, step_probe=None) -> int:
     profile = measure(args.device, step_probe, models=tuple(args.model or ()), tps=tps)
     path = profile.save(Path(args.out).expanduser() if args.out else default_path())
     for key, value in asdict(profile).items():
-        if key != "step_tables":
+        if key not in ("step_tables", "probes"):
             print(f"{key:26} {value}")
+    for probe in profile.probes:
+        kind = f"P/D tp1->tp{probe.tp}" if probe.disaggregated else f"tp{probe.tp} pp{probe.pp}"
+        print(f"probe {kind}: " + "; ".join(
+            f"{k} " + (" ".join(f"{v:.0f}" for v in vs) if k == "prefill_tok_s" else
+                       " ".join(f"{v * 1e3:.1f}" for v in vs) + " ms") for k, vs in probe.rounds.items() if vs))
     for table in profile.step_tables:
         print(f"step table {table.model}: " + ", ".join(f"tp{s.tp}/{s.threads} threads" for s in table.shards))
     print(f"\nsaved: {path} ({time.perf_counter() - started:.0f} s)")

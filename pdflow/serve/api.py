@@ -52,7 +52,7 @@ class EngineHost:
         self.route_of = route_of
         self.metrics = ServeMetrics(backend, num_active=lambda: self.loop.num_active)
         self.loop = EngineLoop(backend, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
-                               admission=admission)
+                               on_step=self.metrics.on_step, admission=admission)
 
     def start(self) -> EngineHost:
         self.loop.start()

@@ -162,7 +162,8 @@ def core_main(spec, address: str, parent_pid: int) -> None:
         metrics.registry.register(ReuseCollector(producer=producer, consumer=deployment.consumer,
                                                  counts=deployment.reuse))
         metrics.count_kv_transfer(lambda: (producer.kv_bytes_sent, producer.kv_blocks_sent))
-    core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, admission=policy_of(spec.serve))
+    core = ServingCore(backend, on_token=metrics.on_token, on_finish=metrics.on_finish, on_step=metrics.on_step,
+                       admission=policy_of(spec.serve))
     server = CoreServer(core, metrics, facts, sock)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides

@@ -34,9 +34,9 @@ class EngineLoop:
     """Steps ``backend`` on a daemon thread until ``stop``. ``on_token(ticket, now)`` and
     ``on_finish(ticket, event)`` let metrics observe latencies where they happen."""
 
-    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None,
+    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None, on_step=None,
                  admission: AdmissionPolicy | None = None):
-        self.core = ServingCore(backend, on_token=on_token, on_finish=on_finish, admission=admission)
+        self.core = ServingCore(backend, on_token=on_token, on_finish=on_finish, on_step=on_step, admission=admission)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="pdflow-engine-loop", daemon=True)

@@ -45,6 +45,12 @@ class ServeMetrics:
         self.drafted = Counter(f"{p}_draft_tokens", "Speculative tokens proposed.", registry=r)
         self.accepted = Counter(f"{p}_accepted_draft_tokens", "Speculative tokens accepted.", registry=r)
         self.verify_steps = Counter(f"{p}_verify_steps", "Speculative verify forwards.", registry=r)
+        # Engine steps as served, timed where they run (start of a busy turn to the next):
+        # their mean over a window, by kind and rows, without a client's jitter in it.
+        self.steps = Counter(f"{p}_engine_steps", "Busy engine turns by step kind and rows.", ["kind", "rows"],
+                             registry=r)
+        self.step_seconds = Counter(f"{p}_engine_step_seconds", "Seconds of busy engine turns by step kind and rows.",
+                                    ["kind", "rows"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
         Gauge(f"{p}_kv_blocks_total", "KV blocks in the pool.", registry=r).set_function(
@@ -74,6 +80,10 @@ class ServeMetrics:
         else:
             self.itl.observe(now - ticket.last_token_at)
         self.generation_tokens.inc()
+
+    def on_step(self, kind: str, rows: int, seconds: float) -> None:
+        self.steps.labels(kind=kind, rows=str(rows)).inc()
+        self.step_seconds.labels(kind=kind, rows=str(rows)).inc(seconds)
 
     def on_finish(self, ticket: Ticket, event: StreamEvent) -> None:
         if event.token_ids and ticket.last_token_at is not None:

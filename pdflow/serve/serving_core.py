@@ -67,18 +67,32 @@ class Ticket:
     cancelled: bool = False
 
 
+def step_kind(outputs: list[TokenOutput], active: dict[str, Ticket]) -> str:
+    """``prefill`` when the step gave some request its first token, ``decode`` when every
+    row continued a stream, ``empty`` when it gave none (a pipeline filling, a transfer)."""
+    if not outputs:
+        return "empty"
+    firsts = (t is not None and t.last_token_at is None for t in (active.get(o.request_id) for o in outputs))
+    return "prefill" if any(firsts) else "decode"
+
+
 class ServingCore:
     """Admission, then the backend; ``on_token(ticket, now)`` and ``on_finish(ticket,
-    event)`` let metrics observe latencies where tokens leave the engine."""
+    event)`` let metrics observe latencies where tokens leave the engine; ``on_step(kind,
+    rows, seconds)`` each busy turn's period (see ``turn``)."""
 
-    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None,
-                 admission: AdmissionPolicy | None = None):
+    def __init__(self, backend: ServingBackend, *, on_token=None, on_finish=None, on_step=None,
+                 admission: AdmissionPolicy | None = None, clock: Callable[[], float] = time.perf_counter):
         self.backend = backend
+        self._clock = clock
         self.admission = Admission(admission or AdmissionPolicy(), num_blocks=backend.num_kv_blocks,
                                    block_size=backend.block_size)
         self.active: dict[str, Ticket] = {}
         self._on_token = on_token or (lambda ticket, now: None)
         self._on_finish = on_finish or (lambda ticket, event: None)
+        self._on_step = on_step or (lambda kind, rows, seconds: None)
+        # The last turn while requests stayed in: its start, kind and rows (None: idle since)
+        self._busy_turn: tuple[float, str, int] | None = None
 
     @property
     def busy(self) -> bool:
@@ -102,7 +116,15 @@ class ServingCore:
             self._on_finish(ticket, StreamEvent(finish_reason="abort"))
 
     def turn(self) -> None:
-        """Admit what fits, then one engine step."""
+        """Admit what fits, then one engine step. A turn that leaves requests in the
+        engine is followed at once by the next (neither driver waits while busy), so the
+        time between their starts is that step as served (intake, step, delivery) and is
+        reported to ``on_step``, by the step's kind and rows; a gap that may hold an idle
+        wait is not."""
+        start = self._clock()
+        if self._busy_turn is not None:
+            began, kind, rows = self._busy_turn
+            self._on_step(kind, rows, start - began)
         for ticket in self.admission.expired():
             self._refuse(ticket, f"no KV blocks came free within {self.admission.policy.queue_timeout_s:g} s; "
                                  "retry later")
@@ -110,7 +132,10 @@ class ServingCore:
             self._admit(ticket)
         # Stepped even with no request of its own left: an aborted request whose KV is in
         # flight ends (and frees its blocks) only when the transfer settles. Cheap when idle.
-        self._deliver(self.backend.step())
+        outputs = self.backend.step()
+        kind = step_kind(outputs, self.active)
+        self._deliver(outputs)
+        self._busy_turn = (start, kind, len(outputs)) if self.active else None
 
     def fail_all(self, reason: str, status: int) -> None:
         """End every request (the engine died, or the server stops)."""
