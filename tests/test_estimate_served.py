@@ -39,7 +39,7 @@ class TimedBackend:
     def __init__(self, clock: Clock, durations: list[float]):
         self.clock, self.durations, self.running, self.ids = clock, list(durations), {}, 0
 
-    def add(self, prompt_token_ids, sampling):
+    def add(self, prompt_token_ids, sampling, *, route=None):
         self.ids += 1
         self.running[str(self.ids)] = [0, sampling.max_tokens]
         return str(self.ids)
