@@ -9,11 +9,11 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from estimate_kit import tiny_profile
 
 from pdflow.bench.estimate import Pricer
 from pdflow.bench.profile import MachineProfile, ServedProbe
 from pdflow.bench.served_costs import layout_costs, probe_graph
-from pdflow.bench.step_table import ShardTimes, StepTable, geometry_of
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
@@ -95,25 +95,11 @@ def test_step_counters_on_metrics_give_a_streams_mean_time_per_token():
     assert decode_gap_s(after, after, 4) == 0.0
 
 
-def _shard(tp: int, threads: int, layer: float, head: float) -> ShardTimes:
-    """Flat tables: every token count costs ``layer`` (dense and attention halves) a layer."""
-    counts = (16, 64, 256, 1024, 2048)
-    return ShardTimes(tp=tp, threads=threads, dense_s={t: layer / 2 for t in counts},
-                      prefill_attention_s={t: layer / 2 for t in counts},
-                      decode_s={32: {b: layer for b in (1, 4, 16, 64)}, 512: {b: layer for b in (1, 4, 16, 64)}},
-                      head_s={r: head for r in (1, 4, 16, 64)})
-
-
 def _profile(**kw) -> MachineProfile:
-    table = StepTable(model="tiny", geometry=geometry_of(compose_spec(["model=tiny"]).model, "cpu"),
-                      shards=[_shard(1, 2, 1e-3, 5e-4), _shard(1, 1, 2e-3, 6e-4), _shard(2, 1, 3e-3, 7e-4),
-                              _shard(4, 1, 4e-3, 8e-4)])
-    base = dict(device="cpu", host="test", cores=2, gemm_flops_s=1e9, gemm_flops_s_one_thread=1e9,
-                mem_bytes_s=1e15, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9, "gloo": 1e9},
-                transfer_latency_s={"mooncake": 1e-3, "gloo": 1e-4}, rank_message_s=2e-4, allreduce_s=5e-4,
-                hop_s=3e-4, version=2, step_tables=[table], table_step_overhead_s=0.01,
-                table_rank_step_overhead_s=2e-3, request_overhead_s=0.02, request_overhead_per_token_s=1e-4)
-    return MachineProfile(**(base | kw))
+    """The kit's profile with the serving costs these cases price (no pre-table overheads)."""
+    return tiny_profile(contexts=(32, 512), **({"step_overhead_s": 0.0, "rank_step_overhead_s": 0.0,
+                                                "request_overhead_s": 0.02, "request_overhead_per_token_s": 1e-4}
+                                               | kw))
 
 
 def _probe(tp: int, pp: int, step: float, long_ttft: float) -> ServedProbe:

@@ -10,11 +10,12 @@ import math
 from dataclasses import asdict
 
 import pytest
+from estimate_kit import tiny_profile
 
 from pdflow.bench import estimate as estimate_mod
 from pdflow.bench.estimate import Pricer
 from pdflow.bench.profile import MachineProfile, _timed
-from pdflow.bench.step_table import ShardTimes, StepTable, decode_at, geometry_of, interpolate
+from pdflow.bench.step_table import ShardTimes, decode_at, interpolate
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.spec.load import compose_spec
 
@@ -41,33 +42,12 @@ def test_decode_is_interpolated_by_batch_then_linear_in_context():
     assert decode_at({64: {1: 2.0}, 512: {1: 1.0}}, 1, 960) == 1.0  # a falling (noisy) pair: no lower
 
 
-def _shard(tp: int, threads: int, layer: float, head: float) -> ShardTimes:
-    """Flat tables: every token count costs ``layer`` (dense and attention halves) a layer."""
-    counts = (16, 64, 256, 1024, 2048)
-    return ShardTimes(tp=tp, threads=threads, dense_s={t: layer / 2 for t in counts},
-                      prefill_attention_s={t: layer / 2 for t in counts},
-                      decode_s={64: {b: layer for b in (1, 4, 16, 64)}, 512: {b: layer for b in (1, 4, 16, 64)}},
-                      head_s={r: head for r in (1, 4, 16, 64)})
-
-
-def _tiny_profile(**kw) -> MachineProfile:
-    table = StepTable(model="tiny", geometry=geometry_of(compose_spec(["model=tiny"]).model, "cpu"),
-                      shards=[_shard(1, 2, 1e-3, 5e-4), _shard(1, 1, 2e-3, 6e-4), _shard(2, 1, 3e-3, 7e-4),
-                              _shard(4, 1, 4e-3, 8e-4)])
-    base = dict(device="cpu", host="test", cores=2, gemm_flops_s=1e9, gemm_flops_s_one_thread=1e9,
-                mem_bytes_s=1e15, host_copy_bytes_s=1e9, transfer_bytes_s={"mooncake": 1e9, "gloo": 1e9},
-                transfer_latency_s={"mooncake": 1e-3, "gloo": 1e-4}, rank_message_s=2e-4, step_overhead_s=0.5,
-                rank_step_overhead_s=0.7, allreduce_s=5e-4, hop_s=3e-4, version=2, step_tables=[table],
-                table_step_overhead_s=0.01, table_rank_step_overhead_s=2e-3)
-    return MachineProfile(**(base | kw))
-
-
 def _graph(*overrides: str):
     return build_graph(compose_spec(["drafter=none", *overrides]))
 
 
 def test_a_one_rank_step_is_layers_times_the_shards_layer_plus_head_and_overhead():
-    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=_tiny_profile(), role=CONSUMER)
+    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=tiny_profile(), role=CONSUMER)
     # 8 layers of the tp1 / 2-thread shard, its head, the overhead measured against the table
     assert pricer.step_s(4, 100, 4) == pytest.approx(0.01 + 8 * 1e-3 + 5e-4)
     # a 128-token prefill of one prompt: dense 0.5 ms + one row's attention 0.5 ms a layer
@@ -86,7 +66,7 @@ def test_a_prefill_step_prices_each_rows_attention_over_its_own_prompt():
 
 
 def test_tp_and_pp_sides_use_their_own_shard_and_layer_count():
-    prof = _tiny_profile()
+    prof = tiny_profile()
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=prof, role=CONSUMER)
     all_reduce = 2 * 8 * (5e-4 + 4 * 256 * 4 / 1e9)
     # tp2: one thread a rank, the tp2 shard's layer; a rank message and one stage's rank work
@@ -101,7 +81,7 @@ def test_tp_and_pp_sides_use_their_own_shard_and_layer_count():
 
 
 def test_the_served_request_cost_adds_to_ttft_and_to_each_row_of_a_prefill_step():
-    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=_tiny_profile(request_overhead_s=0.02),
+    pricer = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=tiny_profile(request_overhead_s=0.02),
                     role=CONSUMER)
     step = 0.01 + 8 * 1e-3 + 5e-4
     alone, tok_s = pricer.prefill(128, concurrent=4)
@@ -110,7 +90,7 @@ def test_the_served_request_cost_adds_to_ttft_and_to_each_row_of_a_prefill_step(
     assert tok_s == pytest.approx(512 / (batched + 4 * 0.02))
     # and the part that grows with the prompt: 128 tokens x 0.1 ms on every request
     grows = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), role=CONSUMER,
-                   profile=_tiny_profile(request_overhead_s=0.02, request_overhead_per_token_s=1e-4))
+                   profile=tiny_profile(request_overhead_s=0.02, request_overhead_per_token_s=1e-4))
     alone, tok_s = grows.prefill(128, concurrent=4)
     assert alone == pytest.approx(0.02 + 0.0128 + step)
     assert tok_s == pytest.approx(512 / (batched + 4 * (0.02 + 0.0128)))
@@ -118,7 +98,7 @@ def test_the_served_request_cost_adds_to_ttft_and_to_each_row_of_a_prefill_step(
 
 def test_a_table_for_another_model_or_thread_count_falls_back_to_the_gemm_model(capsys):
     estimate_mod._SAID.clear()
-    prof = _tiny_profile()
+    prof = tiny_profile()
     other = Pricer(graph=_graph("model=qwen3-0.6b", "model.path=null", "mode=monolithic", "decode=tp1"), profile=prof,
                    role=CONSUMER)
     assert other.shard() is None
@@ -128,13 +108,13 @@ def test_a_table_for_another_model_or_thread_count_falls_back_to_the_gemm_model(
 
 
 def test_the_table_survives_save_and_load(tmp_path):
-    prof = _tiny_profile()
+    prof = tiny_profile()
     loaded = MachineProfile.load(prof.save(tmp_path / "p.json"))
     assert loaded == prof and loaded.step_tables[0].shards[2].decode_s[512][16] == 3e-3
 
 
 def test_an_old_profile_without_a_table_loads_and_prices_by_the_gemm_rate_said_once(tmp_path, capsys):
-    raw = asdict(_tiny_profile())
+    raw = asdict(tiny_profile())
     for key in ("version", "step_tables", "table_step_overhead_s", "table_rank_step_overhead_s",
                 "request_overhead_s"):
         del raw[key]
@@ -173,7 +153,7 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     from pdflow.bench.profile import ServedProbe
     from pdflow.bench.served_costs import table_overheads
 
-    prof = _tiny_profile()
+    prof = tiny_profile()
     one = ServedProbe(step_s=0.02, ttft_s=0.05, batch=4, batch_step_s=0.035, prompt_tokens=4, context=28)
     two = ServedProbe(step_s=0.06, ttft_s=0.09, prompt_tokens=4, context=28)
     four = ServedProbe(step_s=0.13, ttft_s=0.2, prompt_tokens=4, context=28)
@@ -186,7 +166,7 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     assert row == pytest.approx((0.035 - step - (8 * 1e-3 + 5e-4)) / 3)  # 4 streams: 3 rows beyond the first
     assert request == pytest.approx(0.05 - step - (8 * 1e-3 + 5e-4))  # 4 prompt tokens: the batch-4 decode row
     assert rank == pytest.approx(0.06 - step - 2e-4 - 2 * 8 * 5e-4 - (8 * 3e-3 + 7e-4))
-    priced = _tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row)
+    priced = tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row)
     tp1 = Pricer(graph=_graph("mode=monolithic", "decode=tp1"), profile=priced, role=CONSUMER)
     assert tp1.step_s(1, 28, 1) == pytest.approx(0.02) and tp1.step_s(4, 28, 4) == pytest.approx(0.035)
     tp2 = Pricer(graph=_graph("mode=monolithic", "decode=tp2"), profile=priced, role=CONSUMER)
@@ -196,7 +176,7 @@ def test_serving_costs_are_what_the_probes_took_beyond_the_table():
     crowded = Pricer(graph=_graph("mode=monolithic", "decode=tp4"), profile=priced, role=CONSUMER)
     assert crowded.step_s(1, 28, 1) == pytest.approx(step + 2e-4 + 2 * rank + 2 * 8 * 5e-4 + 2 * (8 * 4e-3 + 8e-4),
                                                      abs=2e-4)
-    measured = _tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row,
+    measured = tiny_profile(table_step_overhead_s=step, table_rank_step_overhead_s=rank, table_row_overhead_s=row,
                              table_rank_step_by_tp=by_tp)
     tp4 = Pricer(graph=_graph("mode=monolithic", "decode=tp4"), profile=measured, role=CONSUMER)
     assert tp4.step_s(1, 28, 1) == pytest.approx(0.13, abs=2e-4)

@@ -172,14 +172,20 @@ def test_a_request_the_consumer_fails_mid_stream_ends_there_and_the_pair_serves_
     assert len(chunks(graph.cuts[0], 3, per_block)) >= 3
     pairs = Pairs(graph, buffer_bytes=per_block, make_transport=transports)
     try:
-        peer = next(iter(pairs.peers.values()))
-        with pytest.raises(TransferError, match="outside the pool"):
-            send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
-        pairs.move()
-        assert not peer.broken
-        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+        _refuses_a_bad_block_then_lands_every_request(pairs)
     finally:
         pairs.close()
+
+
+def _refuses_a_bad_block_then_lands_every_request(pairs) -> None:
+    """A request naming a block outside the consumer's pool fails at its first chunk and
+    the pair serves on: every request then lands exactly."""
+    peer = next(iter(pairs.peers.values()))
+    with pytest.raises(TransferError, match="outside the pool"):
+        send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
+    pairs.move()
+    assert not peer.broken
+    assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
 
 
 def test_the_ipc_movers_ack_loop_lands_every_head_on_cpu(graph_of, monkeypatch):
@@ -199,12 +205,7 @@ def test_the_ipc_movers_ack_loop_lands_every_head_on_cpu(graph_of, monkeypatch):
     handed = set(p2p_parts.IN_PROCESS) - before
     try:
         assert {p.mover for p in pairs.peers.values()} == {"ipc"} and len(handed) == len(pairs.peers)
-        peer = next(iter(pairs.peers.values()))
-        with pytest.raises(TransferError, match="outside the pool"):
-            send(peer, [0, 1, 2], [0, 1, NUM_BLOCKS])
-        pairs.move()
-        assert not peer.broken
-        assert wrong_units(pairs.graph, pairs.producer_caches, pairs.consumer_caches, REQUESTS.values()) == []
+        _refuses_a_bad_block_then_lands_every_request(pairs)
     finally:
         pairs.close()
     deadline = time.monotonic() + 20
