@@ -113,3 +113,12 @@ def test_asking_a_monolithic_graph_for_its_prefill_instance_says_what_to_do():
     assert graph.producer is None and not graph.refusals
     with pytest.raises(ValueError, match="mode=pd"):
         graph.instance("prefill")
+
+
+@pytest.mark.parametrize(("overrides", "pairs"), [
+    (["prefill=pp4", "decode=tp4"], 16),  # every stage writes every decode rank's heads
+    (["prefill=tp1", "decode=tp1"], 1),
+    (["mode=monolithic"], 0),  # nothing moves
+])
+def test_the_graph_counts_the_rank_pairs_a_prompts_kv_moves_over(overrides, pairs):
+    assert build_graph(compose_spec(["model=tiny", "drafter=none", *overrides])).kv_pairs == pairs

@@ -27,7 +27,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 
-from pdflow.bench.profile import MachineProfile
+from pdflow.bench.profile import MachineProfile, layout_key
 from pdflow.bench.step_table import ShardTimes, interpolate
 from pdflow.graph import CONSUMER, PRODUCER, RunGraph, parallel_of
 from pdflow.spec import SloSpec
@@ -185,9 +185,9 @@ class Pricer:
         return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
 
     def layout(self) -> str:
-        """The profile's key for this side's rank layout (``served_costs.layout_key``)."""
+        """The profile's key for this side's rank layout."""
         inst = self.graph.instance(self.role)
-        return f"tp{inst.tp}pp{inst.pp}"
+        return layout_key(inst.tp, inst.pp)
 
     def prefill_token_s(self) -> float:
         """A prefill step's cost per token beyond its priced compute where this side's
@@ -207,7 +207,7 @@ class Pricer:
         by = {int(k): v for k, v in self.profile.exchange_request_by_pairs.items()}
         if len(by) < 2:
             return next(iter(by.values()), self.profile.exchange_request_s)
-        n, pairs = kv_pairs(self.graph), sorted(by)
+        n, pairs = self.graph.kv_pairs, sorted(by)
         hi = next((p for p in pairs[1:] if p >= n), pairs[-1])
         lo = pairs[pairs.index(hi) - 1]
         return max(0.0, by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo))
@@ -249,11 +249,6 @@ class Pricer:
                     + tokens * self.prefill_token_s())
         per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
         return alone, tokens / per_step
-
-
-def kv_pairs(graph: RunGraph) -> int:
-    """Producer -> consumer rank pairs that move a prompt's KV (each its own transfer)."""
-    return len({(cut.producer_rank, cut.consumer_rank) for cut in graph.cuts})
 
 
 def devices_of(graph: RunGraph) -> int:

@@ -154,6 +154,11 @@ class MachineProfile:
         return min(share, max(1, threads) * self.gemm_flops_s_one_thread * rate / self.gemm_flops_s)
 
 
+def layout_key(tp: int, pp: int) -> str:
+    """A rank layout's key in the profile's by-layout tables."""
+    return f"tp{tp}pp{pp}"
+
+
 def default_path() -> Path:
     return Path(os.environ.get(PROFILE_ENV) or DEFAULT_PATH).expanduser()
 
@@ -311,7 +316,6 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     import torch
 
     # served_costs prices with the estimate's Pricer, which reads this module: imported here
-    from pdflow.bench.estimate import kv_pairs
     from pdflow.bench.served_costs import exchange_costs, layout_costs, probe_graph, table_overheads
     from pdflow.bench.step_timing import measure_step_table
     from pdflow.spec.load import compose_spec
@@ -373,7 +377,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     if 1 in exchange:
         profile.exchange_request_s, profile.exchange_token_s = exchange_costs(profile, exchange[1])
         profile.exchange_request_by_pairs = {
-            str(kv_pairs(probe_graph(p, profile.device))): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
+            str(probe_graph(p, profile.device).kv_pairs): exchange_costs(profile, p, per_token=profile.exchange_token_s)[0]
             for p in exchange.values()}
     return profile
 

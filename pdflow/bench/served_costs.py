@@ -17,14 +17,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdflow.bench.estimate import Pricer
-from pdflow.bench.profile import MachineProfile, ServedProbe
+from pdflow.bench.profile import MachineProfile, ServedProbe, layout_key
 from pdflow.bench.step_table import StepTable, interpolate
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.spec.load import compose_spec
-
-
-def layout_key(tp: int, pp: int) -> str:
-    return f"tp{tp}pp{pp}"
 
 
 def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,

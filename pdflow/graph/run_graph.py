@@ -90,6 +90,11 @@ class RunGraph:
         (KV, scale units and drafter units together); 0 without a producer."""
         return sum(c.bytes_per_block for c in self.cuts)
 
+    @property
+    def kv_pairs(self) -> int:
+        """Producer -> consumer rank pairs that move a prompt's KV (each its own transfer)."""
+        return len({(c.producer_rank, c.consumer_rank) for c in self.cuts})
+
     def consumer_ranks_of(self, producer_rank: int) -> list[int]:
         """The consumer ranks a producer rank's cut plans write into."""
         return sorted({c.consumer_rank for c in self.cuts if c.producer_rank == producer_rank})

@@ -51,6 +51,7 @@ class ServeMetrics:
                              registry=r)
         self.step_seconds = Counter(f"{p}_engine_step_seconds", "Seconds of busy engine turns by step kind and rows.",
                                     ["kind", "rows"], registry=r)
+        self._step_children: dict[tuple[str, int], tuple] = {}
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
         Gauge(f"{p}_kv_blocks_total", "KV blocks in the pool.", registry=r).set_function(
@@ -82,8 +83,14 @@ class ServeMetrics:
         self.generation_tokens.inc()
 
     def on_step(self, kind: str, rows: int, seconds: float) -> None:
-        self.steps.labels(kind=kind, rows=str(rows)).inc()
-        self.step_seconds.labels(kind=kind, rows=str(rows)).inc(seconds)
+        """Every engine step calls this: the labelled children are looked up once per
+        (kind, rows), not per step (``labels`` takes a lock and builds its key)."""
+        children = self._step_children.get((kind, rows))
+        if children is None:
+            children = self._step_children[kind, rows] = (self.steps.labels(kind=kind, rows=str(rows)),
+                                                          self.step_seconds.labels(kind=kind, rows=str(rows)))
+        children[0].inc()
+        children[1].inc(seconds)
 
     def on_finish(self, ticket: Ticket, event: StreamEvent) -> None:
         if event.token_ids and ticket.last_token_at is not None:
