@@ -68,12 +68,18 @@ def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe,
             per_token)
 
 
+def probe_overrides(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> list[str]:
+    """The deployment a probe serves (``pdflow.serve.step_probe``): monolithic ``tp`` x
+    ``pp``, or P/D tp1 -> ``tp``."""
+    layout = ["prefill=tp1", f"decode=tp{tp}"] if disaggregated else ["mode=monolithic", f"decode=tp{tp}",
+                                                                       f"decode.pp={pp}"]
+    return ["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
+            f"prefill.device={device}"]
+
+
 def probe_graph(probe: ServedProbe, device: str = "cpu"):
-    """The run graph the probe served (``pdflow.serve.step_probe``'s spec)."""
-    layout = (["prefill=tp1", f"decode=tp{probe.tp}"] if probe.disaggregated
-              else ["mode=monolithic", f"decode=tp{probe.tp}", f"decode.pp={probe.pp}"])
-    return build_graph(compose_spec(["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
-                                     f"prefill.device={device}"]))
+    """The run graph the probe served."""
+    return build_graph(compose_spec(probe_overrides(device, probe.tp, probe.pp, probe.disaggregated)))
 
 
 def exchange_costs(profile: MachineProfile, probe: ServedProbe, *, per_token: float | None = None

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import statistics
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdflow.bench.profile import ServedProbe
+from pdflow.bench.served_costs import probe_overrides
 from pdflow.bench.workloads import Target, WorkRequest, drive
 from pdflow.spec.load import compose_spec
 
@@ -40,16 +41,19 @@ def long_prompts(n: int, salt: int) -> list[list[int]]:
     same prompt again would be served from it after the first round)."""
     rng = random.Random(f"probe:{salt}")
     return [[rng.randrange(5, 105) for _ in range(LONG)] for _ in range(n)]
-_SAMPLE = re.compile(r'^pdflow_engine_(steps|step_seconds)_total\{kind="(\w+)",rows="(\d+)"\} (\S+)$')
+
+
+STEP_COUNTERS = {"pdflow_engine_steps_total": 0, "pdflow_engine_step_seconds_total": 1}
 
 
 def step_totals(text: str) -> dict[tuple[str, int], tuple[float, float]]:
-    """(kind, rows) -> (steps, seconds) from a ``/metrics`` page."""
+    """(kind, rows) -> (steps, seconds) from a ``/metrics`` page (Prometheus' own parser)."""
     out: dict[tuple[str, int], list[float]] = {}
-    for line in text.splitlines():
-        if m := _SAMPLE.match(line):
-            slot = out.setdefault((m[2], int(m[3])), [0.0, 0.0])
-            slot[0 if m[1] == "steps" else 1] = float(m[4])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in STEP_COUNTERS:
+                slot = out.setdefault((sample.labels["kind"], int(sample.labels["rows"])), [0.0, 0.0])
+                slot[STEP_COUNTERS[sample.name]] = sample.value
     return {key: (steps, seconds) for key, (steps, seconds) in out.items()}
 
 
@@ -64,14 +68,6 @@ def decode_gap_s(before: dict, after: dict, streams: int) -> float:
     tokens = sum(rows * delta((kind, rows), 0) for kind, rows in keys if kind == "decode")
     seconds = sum(delta(key, 1) for key in keys if key[0] in ("decode", "empty"))
     return seconds / (tokens / streams) if tokens > 0 else 0.0
-
-
-def probe_overrides(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> list[str]:
-    """The deployment a probe serves: monolithic ``tp`` x ``pp``, or P/D tp1 -> ``tp``."""
-    layout = ["prefill=tp1", f"decode=tp{tp}"] if disaggregated else ["mode=monolithic", f"decode=tp{tp}",
-                                                                       f"decode.pp={pp}"]
-    return ["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
-            f"prefill.device={device}"]
 
 
 def served_probe(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> ServedProbe:
