@@ -109,3 +109,20 @@ def test_non_editable_install_runs_plan_from_another_directory(tmp_path):
         assert (out.returncode == 0) is ok, out.stdout + out.stderr
         if not ok:
             assert "EAGLE3_UNDER_PP" in out.stdout + out.stderr
+
+
+def test_every_subpackage_is_packaged():
+    """pyproject lists packages by name (kernels/ and conf/ install under pdflow.*), so a new
+    subpackage missing from the list installs editable but is absent from a wheel."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    dirs = {name: REPO / path for name, path in tool["package-dir"].items()}
+    found = set()
+    for name, root in dirs.items():
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root).parts
+            if "__pycache__" not in rel:
+                found.add(".".join((name, *rel)))
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
