@@ -176,6 +176,30 @@ def test_a_killed_core_is_503_then_the_server_exits_nonzero(tmp_path):
     assert not [p for p in children if Path(f"/proc/{p}").exists() and _cmdline(p)], "children left running"
 
 
+def test_a_front_that_cannot_start_fails_the_server_instead_of_hanging():
+    """A front that dies as it starts (here: its module does not exist, as a missing
+    dependency of the API would) fails ``wait_ready`` by name, not after its timeout with the
+    socket queueing connections nobody answers; nothing is left running."""
+    from pdflow.serve.front_process import FrontOptions
+    from pdflow.serve.supervisor import FRONT_CRASH_LIMIT, Supervisor
+
+    class BrokenFronts(Supervisor):
+        FRONT_TARGET = "pdflow.serve.no_such_front:front_main"
+
+    spec = compose([*OVERRIDES, "serve.api_servers=2"])
+    supervisor = BrokenFronts(spec, host="127.0.0.1", port=0, options=FrontOptions(model_name="tiny", api_key=None,
+                                                                                     request_timeout_s=None, max_body_bytes=1 << 20))
+    children: list[int] = []
+    try:
+        supervisor.start()
+        children = [supervisor.core.pid]
+        with pytest.raises(RuntimeError, match=f"API front process . exited {FRONT_CRASH_LIMIT} times"):
+            supervisor.wait_ready(timeout=600)
+    finally:
+        supervisor.stop()
+    assert not [p for p in children if Path(f"/proc/{p}").exists() and _cmdline(p)], "children left running"
+
+
 def _url_of(proc) -> str:
     deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline:

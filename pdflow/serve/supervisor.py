@@ -2,7 +2,10 @@
 ``serve.api_servers`` API front processes sharing that socket, and watches them.
 
 A front that dies is started again on the same socket (the core keeps every request's
-state; the dead front's requests are aborted when its successor says hello). A core that
+state; the dead front's requests are aborted when its successor says hello). A front that
+cannot start (it exits within ``FRONT_CRASH_WINDOW_S`` of starting, ``FRONT_CRASH_LIMIT``
+times in a row: an import error, a bad option) fails the server instead of being restarted
+forever while the listening socket queues connections nobody answers. A core that
 dies fails the server: the fronts answer what was open with 503 (they see the core's exit
 themselves), get a moment to send it, are stopped, and ``failure`` names what happened so
 ``pdflow serve`` exits non-zero. ``stop`` (SIGTERM to ``pdflow serve``): fronts first
@@ -25,9 +28,14 @@ from pdflow.spec import RunSpec
 FAILED_CORE_GRACE_S = 3.0
 STOP_TIMEOUT_S = 30.0
 BACKLOG = 2048
+FRONT_CRASH_WINDOW_S = 10.0
+FRONT_CRASH_LIMIT = 3
 
 
 class Supervisor:
+    # What each API front process runs (``module:function``).
+    FRONT_TARGET = "pdflow.serve.front_process:front_main"
+
     def __init__(self, spec: RunSpec, *, host: str, port: int, options: FrontOptions):
         self.spec, self.options = spec, options
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -39,6 +47,8 @@ class Supervisor:
         self.address = f"ipc://{self._dir.name}/core"
         self.core = None
         self.fronts: list = [None] * spec.serve.api_servers
+        self._front_started = [0.0] * spec.serve.api_servers
+        self._quick_exits = [0] * spec.serve.api_servers
         self.failure: str | None = None
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pdflow-supervisor", daemon=True)
@@ -86,8 +96,9 @@ class Supervisor:
 
     def _start_front(self, i: int) -> None:
         fd = self.sock.fileno()
-        self.fronts[i] = Child("pdflow.serve.front_process:front_main",
-                               (fd, self.address, i, self.core.pid, os.getpid(), self.options), pass_fds=(fd,))
+        self._front_started[i] = time.monotonic()
+        self.fronts[i] = Child(self.FRONT_TARGET, (fd, self.address, i, self.core.pid, os.getpid(), self.options),
+                               pass_fds=(fd,))
 
     def _watch(self) -> None:
         while not self._stopping.is_set():
@@ -99,9 +110,24 @@ class Supervisor:
                 if which is None:
                     self._core_died()
                     return
-                self.fronts[which].join()
-                self.fronts[which].close()
+                if self._front_exited(which):
+                    return
                 self._start_front(which)
+
+    def _front_exited(self, i: int) -> bool:
+        """Reap front ``i``; True (and ``failure`` set) when it keeps dying as it starts."""
+        front = self.fronts[i]
+        front.join()
+        code = front.exitcode
+        front.close()
+        quick = time.monotonic() - self._front_started[i] < FRONT_CRASH_WINDOW_S
+        self._quick_exits[i] = self._quick_exits[i] + 1 if quick else 0
+        if self._quick_exits[i] < FRONT_CRASH_LIMIT:
+            return False
+        self.fronts[i] = None
+        self.failure = (f"API front process {i} exited {FRONT_CRASH_LIMIT} times within {FRONT_CRASH_WINDOW_S:.0f} s "
+                        f"of starting (last exit code {code}); its error is above")
+        return True
 
     def _core_died(self) -> None:
         self.core.join()
