@@ -51,10 +51,9 @@ class CacheMapping(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
-    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, and
-    how to reach it: the rendezvous file of the pair's process group, the buffer itself to
-    map (``ipc``), the caches themselves (``peer``), or its registered address in the
-    consumer's Mooncake engine."""
+    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size,
+    and what the mover needs to reach it (a group's rendezvous file, a buffer or caches to
+    map, or a registered address in the consumer's Mooncake engine)."""
 
     buffer_bytes: NonNegative = 0
     store_path: str = ""

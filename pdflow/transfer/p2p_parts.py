@@ -95,11 +95,9 @@ def peer_access(producer: str, consumer: str) -> bool:
 
 def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
     """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``.
-
-    ``ramp`` > 0 (a pipeline: pack chunk i+1 while chunk i moves): the first and the last
-    chunks are smaller, ``max_bytes >> ramp`` doubling up to ``max_bytes`` and halving
-    down again at the end, so the wire starts after a short pack and the last scatter is
-    short (the pipeline's fill and drain), at the cost of a few more messages."""
+    ``ramp`` > 0 (a pipeline): the first and last chunks are smaller (``max_bytes >> ramp``
+    doubling up, then halving down), so the wire starts after a short pack and the last
+    scatter is short."""
     total = packed_nbytes(plan, num_blocks)
     per_block = max((g.bytes_per_unit for g in plan.groups), default=1)
     limits = _ramp(total, max_bytes, ramp, floor=per_block)

@@ -107,10 +107,9 @@ class GroupSender(Sender):
 
     def _verdict(self) -> bool:
         """Wait for the consumer's 8-byte verdict on the pair's group (whether the request
-        failed): sent in stream order after its last scatter, so no host step on its side
-        and no socket on the path; a failure's text follows on the control socket. Waited
-        for on a stream of its own: this rank's stream may already hold its next step's
-        work. A stalled or dead consumer is the armed deadline's (``GroupDeadline``)."""
+        failed), sent in stream order after its last scatter: no host step and no socket on
+        the path (a failure's text follows on the socket). On a stream of its own: this
+        rank's stream may already hold its next step's work."""
         with torch.cuda.stream(self.verdict_stream) if self.verdict_stream is not None else contextlib.nullcontext():
             self.group.recv([self.verdict], 0, 0).wait()
             if self.verdict_stream is not None:
