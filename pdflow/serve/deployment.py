@@ -246,7 +246,7 @@ class Deployment(EngineFacts):
         why = f"the {role} instance was lost ({self.lost[role]})"
         owned = {s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
         owned |= set(engine.scheduler.transfers)  # waiting for KV, or sending it
-        if role == PRODUCER and self.consumer is not None:
+        if role == PRODUCER:
             owned |= set(self.consumer.awaiting_kv)
             for rid in list(self.consumer.awaiting_kv):
                 self.consumer.fail_remote(rid)
@@ -293,7 +293,7 @@ class Deployment(EngineFacts):
     def engine(self) -> LLMEngine:
         """The instance requests meet (what ``EngineFacts`` reports): the consumer, the
         producer when serving alone."""
-        return self.consumer if self.consumer is not None and self._up(CONSUMER) else self.producer
+        return self.consumer if self._up(CONSUMER) else self.producer
 
     @property
     def max_model_len(self) -> int:
