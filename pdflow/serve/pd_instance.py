@@ -1,10 +1,7 @@
-"""One side of a P/D run graph as its own server, and the router's check of its instances.
-
-``instance_app`` builds the producer (``serve.role=prefill``) or the consumer
-(``serve.role=decode``) of the spec's graph, with its own ranks, behind the OpenAI API
-plus the internal ``/pdflow/`` routes (``pd_wire``). ``check_instances`` is what a P/D
-router does before it serves: every instance healthy, of the role it was given as, and
-all of one run graph.
+"""One side of a P/D run graph as its own server (``instance_app``: the producer or the
+consumer, with its own ranks, behind the OpenAI API and the ``/pdflow/`` routes), and
+what a P/D router checks before it serves (``check_instances``): every instance healthy,
+of the role it was given as, and all of one run graph.
 """
 
 from __future__ import annotations
