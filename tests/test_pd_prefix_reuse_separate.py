@@ -1,6 +1,6 @@
 """Decode-side prefix reuse with separately started instances (prefill, decode, router
 with router.policy=prefix): a conversation's second turn moves only its uncached
-blocks over the wire (``RemotePrefill.first_block``), its third, short uncached part is
+blocks over the wire (``RemotePrefill.target.first_block``), its third, short uncached part is
 prefilled on the decode instance (counted), ``usage.prompt_tokens_details.cached_tokens``
 is the decode side's, and every turn decodes ``Deployment``'s greedy tokens."""
 

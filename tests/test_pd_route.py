@@ -18,6 +18,7 @@ import pytest
 
 from pdflow import LLM
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import KVTarget
 from pdflow.serve.backend import LLMBackend
 from pdflow.serve.engine_loop import EngineLoop
 from pdflow.serve.pd_wire import PAIR_PATH, PREFILL_PATH, PDRoute, PrefillAnswer, RemotePrefill
@@ -112,16 +113,16 @@ def test_a_decode_backend_given_a_route_prefills_at_its_producer_and_frees_on_it
     paths = [path for path, _ in producer.posts]
     assert paths[-2:] == [PAIR_PATH, PREFILL_PATH]
     job = msgspec.json.decode(producer.posts[-1][1], type=RemotePrefill)
-    assert job.prompt_token_ids == prompt and job.request_id == rid and job.consumer_id == backend.consumer_id
-    assert len(job.blocks) == -(-len(prompt) // backend.block_size)
+    assert job.prompt_token_ids == prompt and job.request_id == rid and job.target.consumer == backend.consumer_id
+    assert len(job.target.blocks) == -(-len(prompt) // backend.block_size)
 
 
 def test_each_pd_backend_refuses_the_other_sides_route(consumer):
     from pdflow.serve.pd_prefill import PrefillBackend
 
     backend, _ = consumer
-    job = RemotePrefill(consumer_id="c", request_id="r", prompt_token_ids=[1, 2], sampling=GREEDY, blocks=[0],
-                        nonce=1)
+    job = RemotePrefill(request_id="r", prompt_token_ids=[1, 2], sampling=GREEDY,
+                        target=KVTarget(blocks=(0,), nonce=1, consumer="c"))
     with pytest.raises(ValueError, match="takes no remote prefill"):
         backend.add([1, 2], GREEDY, route=PDRoute(remote=job))
     with pytest.raises(ValueError, match="sends no prompt to another producer"):

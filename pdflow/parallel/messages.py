@@ -211,7 +211,7 @@ class Paired(msgspec.Struct, tag=True, kw_only=True):
 class ForgetConsumer(msgspec.Struct, tag=True, kw_only=True):
     """Owner -> producer rank: consumer instance ``consumer`` stopped (or a transfer to it
     failed): close its peers and drop them from the rank's peer table (exports in flight
-    settle first)."""
+    settle first). Also a stopping consumer's body of ``POST /pdflow/unpair``."""
 
     consumer: str
 

@@ -1,13 +1,11 @@
-"""``pdflow.Deployment(spec)``: both instances of a run graph, driven from this process.
+"""``pdflow.Deployment(spec)``: both instances of a run graph, driven from this process
+(tests, ``pdflow run``): the producer prefills each prompt and writes its KV into blocks
+the consumer allocated for it, which decodes on. ``generate``/``stream`` behave like
+``LLM``'s; ``mode: monolithic`` runs the decode instance alone.
 
-The offline face of P/D (tests, ``pdflow run``): a producer instance prefills each prompt
-and writes its KV, cut per head, into blocks the consumer instance allocated for it; the
-consumer decodes on as if it had prefilled itself. ``generate``/``stream`` behave like
-``LLM``'s. A spec with ``mode: monolithic`` runs the decode instance alone.
-
-Faults: a transfer that fails ends its request with an error and frees its blocks on
-both sides. When one instance dies, its requests in flight end with an error, and the
-surviving instance serves every later request alone (it holds the whole model).
+Faults: a failed transfer ends its request with an error and frees its blocks on both
+sides. When one instance dies, its requests in flight end with an error, and the other
+serves every later request alone (it holds the whole model).
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ from pdflow.spec import RunSpec
 
 @dataclass(kw_only=True, slots=True)
 class _Request:
-    """A request's sampling, and its output built as its tokens come (what ``generate``
-    returns)."""
+    """A request's sampling, and its output built as its tokens come."""
 
     sampling: SamplingParams
     out: RequestOutput
@@ -54,12 +51,11 @@ class Deployment(EngineFacts):
         devices = read_devices(spec)  # once, before either instance allocates
         build_graph(spec, devices).raise_if_refused()
         self.spec = spec
-        self.monolithic = spec.mode == "monolithic"
         self.producer: LLMEngine | None = None
         self.consumer: LLMEngine | None = None
         try:
             self.consumer = LLMEngine(Instance(spec, CONSUMER, devices))
-            if not self.monolithic:
+            if spec.mode != "monolithic":
                 self.producer = LLMEngine(Instance(spec, PRODUCER, devices))
                 self.producer.instance.pair(self.consumer.instance.open_kv_link())
         except BaseException:
@@ -131,8 +127,7 @@ class Deployment(EngineFacts):
         """Admit, then submit the producer's step and the consumer's before collecting
         either, so a decode step computes while a prefill step does, not after it."""
         yield from self._admit()
-        stepping = [role for role in (PRODUCER, CONSUMER)
-                    if self._up(role) and self._engine_of(role).has_unfinished()]
+        stepping = [role for role, e in self._live().items() if e.has_unfinished()]
         for role in stepping:
             yield from self._guarded(role, functools.partial(self._submit, role))
         for role in stepping:
@@ -148,28 +143,26 @@ class Deployment(EngineFacts):
             return False
         if req in self._queue:
             self._queue.remove(req)
-            req.out.finish_reason = "abort"
-            self._settle(req)
-            return True
-        if self.consumer is not None and request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
+        elif request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
             req.aborted = True
             return True
-        done = any(e.abort(request_id) for r, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))
-                   if e is not None and self._up(r))
-        if done:
-            req.out.finish_reason = "abort"
-            self._settle(req)
-        return done
+        elif not any(e.abort(request_id) for e in self._live().values()):
+            return False
+        req.out.finish_reason = "abort"
+        self._settle(req)
+        return True
 
     # -- internals ----------------------------------------------------------------------
 
     def _up(self, role: str) -> bool:
-        engine = self._engine_of(role)
-        return engine is not None and self.lost[role] is None
+        return self._engine_of(role) is not None and self.lost[role] is None
+
+    def _live(self) -> dict[str, LLMEngine]:
+        """The instances up, by role."""
+        return {role: self._engine_of(role) for role in (PRODUCER, CONSUMER) if self._up(role)}
 
     def _busy(self) -> bool:
-        engines = [e for r, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer)) if self._up(r)]
-        return bool(self._queue) or any(e.has_unfinished() or e.awaiting_kv for e in engines)
+        return bool(self._queue) or any(e.has_unfinished() or e.awaiting_kv for e in self._live().values())
 
     def _admit(self) -> Iterator[TokenOutput]:
         """Hand queued requests out: P/D while both instances are up, else to whichever
@@ -253,7 +246,7 @@ class Deployment(EngineFacts):
         why = f"the {role} instance was lost ({self.lost[role]})"
         owned = {s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
         owned |= set(engine.scheduler.transfers)  # waiting for KV, or sending it
-        if role == PRODUCER and self.consumer is not None:
+        if role == PRODUCER:
             owned |= set(self.consumer.awaiting_kv)
             for rid in list(self.consumer.awaiting_kv):
                 self.consumer.fail_remote(rid)
@@ -300,7 +293,7 @@ class Deployment(EngineFacts):
     def engine(self) -> LLMEngine:
         """The instance requests meet (what ``EngineFacts`` reports): the consumer, the
         producer when serving alone."""
-        return self.consumer if self.consumer is not None and self._up(CONSUMER) else self.producer
+        return self.consumer if self._up(CONSUMER) else self.producer
 
     @property
     def max_model_len(self) -> int:
@@ -324,5 +317,4 @@ class Deployment(EngineFacts):
 
     def free_kv_blocks(self) -> dict[str, int]:
         """Free blocks of each live instance (equal to its pool when idle: no leak)."""
-        return {role: e.num_free_kv_blocks for role, e in ((PRODUCER, self.producer), (CONSUMER, self.consumer))
-                if e is not None and self._up(role)}
+        return {role: e.num_free_kv_blocks for role, e in self._live().items()}

@@ -1,21 +1,17 @@
 """A consumer instance served on its own (``pdflow serve serve.role=decode``).
 
-A request the router sends with ``x-pdflow-prefill: <producer URL>`` (read into the
-ticket's ``PDRoute`` by ``prefill_route``, the host's ``route_of``) is admitted the way
-``Deployment`` admits one (``engine/remote_admission``: after the blocks its prefix cache
-holds, or prefilled here when the uncached part is short): the consumer allocates the
-prompt's blocks and parks it; a
-worker thread pairs with that producer once (``POST /pdflow/pair``: this instance's KV
-endpoints) and asks it to prefill into those blocks (``POST /pdflow/prefill``); the
-answer's first token resumes the request here, which decodes on. A failed exchange ends
-the request with an error and frees its blocks; an aborted one frees them only once the
+A request with the router's ``x-pdflow-prefill: <producer URL>`` header is admitted as
+``Deployment`` admits one (``engine/remote_admission``); a worker thread pairs with that
+producer once (``POST /pdflow/pair``) and asks it to prefill into the allocated blocks
+(``POST /pdflow/prefill``); the answer's first token resumes the request here. A failed
+exchange ends the request and frees its blocks; an aborted one frees them only once the
 producer has answered, so no late write lands in reused blocks. A request without the
-header is served whole (this instance holds the whole model). On shutdown it tells each
-producer it paired with to let go of it (``POST /pdflow/unpair``), before its engine stops.
+header is served whole. On shutdown each paired producer is told (``/pdflow/unpair``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import sys
@@ -33,6 +29,7 @@ from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.parallel.messages import ForgetConsumer
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.pd_wire import (
@@ -46,7 +43,6 @@ from pdflow.serve.pd_wire import (
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
-    UnpairRequest,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 
@@ -127,10 +123,9 @@ class DecodeBackend(EngineFacts):
         self.engine.shutdown()
 
     def _unpair_all(self) -> None:
-        """Best effort: every producer this instance paired with lets go of its endpoints
-        and its ranks' peers (staging, sockets); one that misses this forgets this
-        instance when a transfer to it fails."""
-        ask = msgspec.json.encode(UnpairRequest(consumer_id=self.consumer_id))
+        """Best effort: a producer that misses this forgets this instance when a transfer
+        to it fails."""
+        ask = msgspec.json.encode(ForgetConsumer(consumer=self.consumer_id))
         for producer in list(self.pairings):
             try:
                 r = self._client.post(producer + UNPAIR_PATH, content=ask, timeout=UNPAIR_TIMEOUT_S,
@@ -149,10 +144,8 @@ class DecodeBackend(EngineFacts):
                                      local_below=router.local_prefill_tokens, counts=self.reuse)
         if admitted.local or admitted.target is None:
             return admitted.local
-        target = admitted.target
-        job = RemotePrefill(consumer_id=self.consumer_id, request_id=rid, prompt_token_ids=prompt,
-                            sampling=sampling, blocks=list(target.blocks), nonce=target.nonce,
-                            first_block=target.first_block)
+        job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                            target=dataclasses.replace(admitted.target, consumer=self.consumer_id))
         self.in_flight.add(rid)
         self._pool.submit(self._exchange, producer, job)
         return True

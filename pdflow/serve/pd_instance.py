@@ -1,10 +1,7 @@
-"""One side of a P/D run graph as its own server, and the router's check of its instances.
-
-``instance_app`` builds the producer (``serve.role=prefill``) or the consumer
-(``serve.role=decode``) of the spec's graph, with its own ranks, behind the OpenAI API
-plus the internal ``/pdflow/`` routes (``pd_wire``). ``check_instances`` is what a P/D
-router does before it serves: every instance healthy, of the role it was given as, and
-all of one run graph.
+"""One side of a P/D run graph as its own server (``instance_app``: the producer or the
+consumer, with its own ranks, behind the OpenAI API and the ``/pdflow/`` routes), and
+what a P/D router checks before it serves (``check_instances``): every instance healthy,
+of the role it was given as, and all of one run graph.
 """
 
 from __future__ import annotations
@@ -58,24 +55,20 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     return app
 
 
-def instance_card(url: str, *, api_key: str | None, timeout: float) -> InstanceCard:
-    from pdflow.serve.server import wait_healthy
-
-    wait_healthy(url, timeout=timeout)
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(url + INSTANCE_PATH, headers=headers, timeout=10.0)
-    if r.status_code != 200:
-        raise RunGraphMismatch(f"{url} is not a pdflow P/D instance ({INSTANCE_PATH} answered {r.status_code}); "
-                               "start it with `pdflow serve serve.role=prefill|decode ...`")
-    return msgspec.convert(r.json(), InstanceCard, strict=False, from_attributes=False)
-
-
 def check_instances(prefill: list[str], decode: list[str], *, api_key: str | None, timeout: float) -> None:
     """Refuse (``RunGraphMismatch``) instances of the wrong role or of different graphs."""
+    from pdflow.serve.server import wait_healthy
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     cards = {}
     for urls, role in ((prefill, PRODUCER), (decode, CONSUMER)):
         for url in urls:
-            card = instance_card(url.rstrip("/"), api_key=api_key, timeout=timeout)
+            wait_healthy(url.rstrip("/"), timeout=timeout)
+            r = httpx.get(url.rstrip("/") + INSTANCE_PATH, headers=headers, timeout=10.0)
+            if r.status_code != 200:
+                raise RunGraphMismatch(f"{url} is not a pdflow P/D instance ({INSTANCE_PATH} answered "
+                                       f"{r.status_code}); start it with `pdflow serve serve.role=prefill|decode`")
+            card = msgspec.convert(r.json(), InstanceCard, strict=False, from_attributes=False)
             if card.role != role:
                 raise RunGraphMismatch(f"{url} was given as a {role} instance but serves serve.role={card.role}")
             cards[url] = card

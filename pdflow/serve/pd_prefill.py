@@ -1,14 +1,11 @@
 """A producer instance served on its own (``pdflow serve serve.role=prefill``).
 
-Its OpenAI API serves requests whole (it holds the whole model); its internal routes
-take consumers' pairing and their remote prefills (``pd_wire``). A remote prefill rides
-the same engine loop as an API request, its ticket's ``PDRoute`` carrying the exchange
-(``remote``), so one thread steps the engine. The ranks keep a peer table by consumer id:
-the first prefill for a consumer pairs its ranks with that consumer's (once; the steps
-in flight are collected first, nothing is drained), and prefills for different consumers
-interleave freely after that. A consumer that leaves (``POST /pdflow/unpair``) or whose
-transfer failed is forgotten: its ranks' peers close once no prefill of its is in the
-engine (a live one pairs again on its next prefill).
+Its OpenAI API serves requests whole; its internal routes (``pd_wire``) take consumers'
+pairing and remote prefills, which ride the same engine loop as API requests (their
+ticket's ``PDRoute``). The ranks keep a peer table by consumer id: a consumer's first
+prefill pairs its ranks (steps in flight are collected, nothing is drained). A consumer
+that leaves (``/pdflow/unpair``) or whose transfer failed is forgotten once none of its
+prefills is in the engine (a live one pairs again on its next prefill).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
-from pdflow.engine.sequence import KVTarget
-from pdflow.parallel.messages import KVEndpoint
+from pdflow.parallel.messages import ForgetConsumer, KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.errors import APIError
@@ -41,7 +37,6 @@ from pdflow.serve.pd_wire import (
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
-    UnpairRequest,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.transfer.errors import PairingRefused
@@ -146,7 +141,7 @@ class PrefillBackend(EngineFacts):
         """Hand a remote prefill to the engine, pairing with its consumer the first time one
         names it; a refusal (an unknown consumer, a refused pairing, a refused prompt) is a
         ``ValueError``: the prefill route answers it as the job's error."""
-        cid = job.consumer_id
+        cid = job.target.consumer
         if cid not in self.paired:
             endpoints = self.consumers.get(cid)
             if endpoints is None:
@@ -160,9 +155,8 @@ class PrefillBackend(EngineFacts):
             self.paired.add(cid)
             self.pairings[cid] = self.pairings.get(cid, 0) + 1
             self.held = self.held | {cid}
-        target = KVTarget(blocks=tuple(job.blocks), nonce=job.nonce, consumer=cid, first_block=job.first_block)
         self.engine.add_request(list(job.prompt_token_ids), dataclasses.replace(sampling, max_tokens=1), rid,
-                                kv_target=target)
+                                kv_target=job.target)
         self.remote[rid] = cid
 
 
@@ -194,9 +188,9 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
 
     @app.post(UNPAIR_PATH, dependencies=guard)
     async def unpair(request: Request):
-        ask = _decode(await request.body(), UnpairRequest)
-        backend.unpair(ask.consumer_id)  # its peers close on the engine loop's thread
-        return {"unpaired": ask.consumer_id}
+        ask = _decode(await request.body(), ForgetConsumer)
+        backend.unpair(ask.consumer)  # its peers close on the engine loop's thread
+        return {"unpaired": ask.consumer}
 
     @app.post(PREFILL_PATH, dependencies=guard)
     async def prefill(request: Request):

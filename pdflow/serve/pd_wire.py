@@ -1,20 +1,17 @@
-"""What separately started P/D instances say to each other and to their router.
-
-Four internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
+"""What separately started P/D instances say to each other and to their router, on four
+internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
 
 - ``GET /pdflow/instance`` on either instance: its ``InstanceCard`` (role, model, the run
   graph's fingerprint). A router refuses instances of different graphs before it serves.
-- ``POST /pdflow/pair`` on a producer: a consumer's ``PairRequest`` (its KV endpoints,
-  one per rank); the producer checks the fingerprint and keeps them.
-- ``POST /pdflow/unpair`` on a producer: an ``UnpairRequest`` from a consumer that is
-  stopping; the producer drops its endpoints and its ranks close their peers of it.
-- ``POST /pdflow/prefill`` on a producer: a ``RemotePrefill`` (prompt ids, sampling, the
-  consumer's block ids and nonce); the producer prefills, writes the prompt's KV into those
-  blocks over the transfer engine and answers a ``PrefillAnswer`` (the first token).
+- ``POST /pdflow/pair`` on a producer: a consumer's ``PairRequest`` (its KV endpoints);
+  the producer checks the fingerprint and keeps them.
+- ``POST /pdflow/unpair`` on a producer: a ``ForgetConsumer`` from a consumer that stops;
+  the producer drops its endpoints and its ranks close their peers of it.
+- ``POST /pdflow/prefill`` on a producer: a ``RemotePrefill``; the producer prefills,
+  writes the prompt's KV into the consumer's blocks and answers a ``PrefillAnswer``.
 
-The router sends each request to a consumer with the ``x-pdflow-prefill`` header naming
-the producer; the consumer allocates the blocks and drives the exchange (see
-docs/ARCHITECTURE.md, "Separately started instances").
+The router names the producer in each request's ``x-pdflow-prefill`` header; the
+consumer drives the exchange (docs/ARCHITECTURE.md, "Separately started instances").
 """
 
 from __future__ import annotations
@@ -27,13 +24,14 @@ import msgspec
 
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import KVTarget
 from pdflow.graph import build_graph
 from pdflow.parallel.messages import KVEndpoint
 from pdflow.spec import RunSpec
 
 PREFILL_HEADER = "x-pdflow-prefill"
 INSTANCE_PATH, PAIR_PATH, PREFILL_PATH = "/pdflow/instance", "/pdflow/pair", "/pdflow/prefill"
-UNPAIR_PATH = "/pdflow/unpair"
+UNPAIR_PATH = "/pdflow/unpair"  # its body: the ``ForgetConsumer`` the producer then tells its ranks
 
 
 class RunGraphMismatch(RuntimeError):
@@ -54,30 +52,17 @@ class PairRequest(msgspec.Struct, kw_only=True):
     endpoints: list[KVEndpoint]
 
 
-class UnpairRequest(msgspec.Struct, kw_only=True):
-    """A consumer leaving: the producer lets go of what it holds for it (its endpoints,
-    its ranks' peers and their staging)."""
-
-    consumer_id: str
-
-
 class RemotePrefill(msgspec.Struct, kw_only=True):
-    consumer_id: str
     request_id: str
     prompt_token_ids: list[int]
     # The request's own (checked again on decoding); the producer samples one token.
     sampling: SamplingParams
-    blocks: list[int]
-    nonce: int
-    # The prompt's blocks before this one are in the consumer's prefix cache: ``blocks``
-    # receive blocks first_block.. (the producer still computes the whole prompt).
-    first_block: int = 0
+    target: KVTarget  # the consumer's blocks and their nonce, ``consumer`` its id
 
 
 class PrefillAnswer(msgspec.Struct, kw_only=True):
-    """The producer's report of the prompt's first token once its KV landed (what
-    ``Deployment`` hands its consumer in process), or why the KV did not land (the
-    consumer frees the request's blocks)."""
+    """The prompt's first token once its KV landed, or why it did not (the consumer then
+    frees the request's blocks)."""
 
     first: TokenOutput | None = None
     error: str | None = None
@@ -86,10 +71,8 @@ class PrefillAnswer(msgspec.Struct, kw_only=True):
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PDRoute:
     """A request's part in a P/D exchange between separate instances, carried on its ticket
-    (``EngineLoop.open_stream(route=)``) to ``backend.add``; a request without one is
-    served whole. One side each: ``prefill_at`` on a consumer (the producer URL the
-    router's header names prefills it), ``remote`` on a producer (the consumer's exchange:
-    its blocks, nonce, consumer id)."""
+    to ``backend.add`` (none: served whole): ``prefill_at`` on a consumer (the producer URL
+    the router's header names), ``remote`` on a producer (the consumer's job)."""
 
     prefill_at: str | None = None
     remote: RemotePrefill | None = None

@@ -1,17 +1,12 @@
-"""A router with the instance API: forwards each request to a backend URL and streams the
-answer back unchanged.
+"""A router with the instance API: forwards each request to a backend URL (picked under
+``router.policy``) and streams the answer back unchanged.
 
-Backends are picked under ``router.policy`` (``router_policy``: round robin, by load,
-or by prefix overlap; round robin by default). With ``prefill`` URLs the backends are
-decode instances and each generation request is paired: it goes to the next decode
-instance with a prefill instance named in its ``x-pdflow-prefill`` header, and the
-decode instance has that one prefill it (``pd_decode``). The prefill instances turn one
-place further each round of the decode instances, so P prefill and D decode instances
-see every (prefill, decode) pair within P x D requests, each instance as often as the next. A backend's own answer, 4xx included, passes through;
-a backend that cannot be reached is skipped for the next one, and when none answers the
-client gets 503; a backend that fails (5xx, a broken or cut stream) gives 502, except a
-backend's own 503 (overloaded: it says when to retry), which passes through with its
-``Retry-After``. Every error has the OpenAI shape.
+With ``prefill`` URLs the backends are decode instances, and each generation request
+goes to one with a prefill instance named in its ``x-pdflow-prefill`` header, which has
+that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passes
+through; an unreachable backend is skipped for the next (none: 503); a failed one (5xx,
+a cut stream) gives 502, except its own 503 with ``Retry-After`` (overloaded), which
+passes through. Every error has the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -42,28 +37,19 @@ FORWARDED_HEADERS = ("content-type", "accept")
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
-class RouterMetrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("pdflow_router_requests", "Forwarded requests by backend and outcome.",
-                                ["backend", "outcome"], registry=self.registry)
-
-    def count(self, backend: str, outcome: str) -> None:
-        self.requests.labels(backend=backend, outcome=outcome).inc()
-
-
 def create_router(backends: list[str], *, api_key: str | None = None,
                   backend_api_key: str | None = None, timeout_s: float = 600.0,
                   prefill: list[str] | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                   router: RouterSpec | None = None, block_tokens: int = 16) -> FastAPI:
-    """``backend_api_key`` (default: ``api_key``) is sent to the backends. ``router``:
-    the policy (default round robin); ``block_tokens``: the instances' KV block size,
-    which the prefix policy cuts prompts by."""
+    """``backend_api_key`` (default: ``api_key``) is sent to the backends; ``block_tokens``:
+    the instances' KV block size, which the prefix policy cuts prompts by."""
     chooser = Chooser(backends, prefill, router or RouterSpec(), block_tokens=block_tokens)
     picker, producers = chooser.decode, chooser.prefill
-    metrics = RouterMetrics()
-    metrics.registry.register(_LocalPrefills(chooser))
+    registry = CollectorRegistry()
+    outcomes = Counter("pdflow_router_requests", "Forwarded requests by backend and outcome.",
+                       ["backend", "outcome"], registry=registry)
+    registry.register(_LocalPrefills(chooser))
     forward_key = backend_api_key if backend_api_key is not None else api_key
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
@@ -86,6 +72,9 @@ def create_router(backends: list[str], *, api_key: str | None = None,
     install_error_handlers(app)
     install_openapi(app, guard, GENERATION_BODIES)
 
+    def count(backend: str, outcome: str) -> None:
+        outcomes.labels(backend=backend, outcome=outcome).inc()
+
     def headers_for(request: Request) -> dict:
         out = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         if forward_key:
@@ -105,11 +94,11 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             try:
                 answer = await until_answered_or_gone(request, client.send(upstream, stream=True))
             except CONNECT_ERRORS as exc:
-                metrics.count(backend, "unreachable")
+                count(backend, "unreachable")
                 unreachable.append(f"{backend} ({type(exc).__name__})")
                 continue
             except httpx.HTTPError as exc:
-                metrics.count(backend, "failed")
+                count(backend, "failed")
                 raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
                                code="backend_error") from exc
             chooser.started(choice, backend)
@@ -136,7 +125,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         """The backend's answer; ``done`` once it has been read to the end (or failed)."""
         media = answer.headers.get("content-type", "application/json")
         if answer.status_code < 500 and media.startswith("text/event-stream"):
-            metrics.count(backend, "ok")
+            count(backend, "ok")
             return StreamingResponse(stream_through(backend, answer, done), status_code=answer.status_code,
                                      media_type=media, headers={"Cache-Control": "no-cache"})
         try:
@@ -145,14 +134,14 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         finally:
             done()
         if answer.status_code == 503 and "retry-after" in answer.headers:
-            metrics.count(backend, "overloaded")
+            count(backend, "overloaded")
             return Response(content, status_code=503, media_type=answer.headers.get("content-type"),
                             headers={"Retry-After": answer.headers["retry-after"]})
         if answer.status_code >= 500:
-            metrics.count(backend, "failed")
+            count(backend, "failed")
             raise APIError(502, f"backend {backend} answered {answer.status_code}: "
                            f"{content.decode(errors='replace')[:500]}", code="backend_error")
-        metrics.count(backend, "ok" if answer.status_code < 400 else "rejected")
+        count(backend, "ok" if answer.status_code < 400 else "rejected")
         return Response(content, status_code=answer.status_code, media_type=media)
 
     async def stream_through(backend: str, answer: httpx.Response, done: Callable[[], None]) -> AsyncIterator[bytes]:
@@ -162,7 +151,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             async for chunk in answer.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
-            metrics.count(backend, "failed")
+            count(backend, "failed")
             body = error_body(502, f"backend {backend} failed mid-stream: {type(exc).__name__}",
                               code="backend_error")
             yield b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -187,7 +176,7 @@ def create_router(backends: list[str], *, api_key: str | None = None,
 
     @app.get("/metrics", dependencies=guard)
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=guard)
     async def models(request: Request):

@@ -1,11 +1,7 @@
-"""From the graph's per-block cut plan to the byte descriptors a transfer engine moves.
-
-The graph says, for one block, which byte runs of each producer unit land where in each
-consumer unit (``CutPlan``); this module only adds addresses: a unit's cache base, the
-block's index on each side, and the run offsets, then merges descriptors that are
-contiguous on both sides and inside one registered chunk of each. It computes no layout
-of its own (the graph is the only place that does), needs no torch and no engine, and so
-is tested on its own.
+"""From the graph's per-block cut plan (``CutPlan``) to the byte descriptors a transfer
+engine moves. Only addresses are added here (cache bases, block indices, run offsets; the
+graph alone computes layouts), and descriptors contiguous on both sides inside one
+registered chunk are merged. No torch, no engine: tested on its own.
 """
 
 from __future__ import annotations

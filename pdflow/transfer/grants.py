@@ -1,16 +1,11 @@
 """A consumer instance's pairing key: the token a producer pairs with, and the nonce
 that grants a transfer into given blocks.
 
-The consumer's owner draws one key (``new_key``) and gives it to its ranks
-(``OpenKVLink``); its endpoints publish only ``pairing_token(key)``, which reaches the
-producers it pairs with (through the owner in process, ``/pdflow/pair`` between
-instances). A producer rank's hello must present that token, and each request's
-transfer must carry ``kv_nonce(key, blocks)``, which only the consumer's owner can make:
-it hands the nonce out with the blocks it allocated (``KVTarget``). A consumer rank
-recomputes it before it scatters a byte, so a peer that never paired cannot pair, and a
-transfer into blocks the owner did not grant is refused. The check is stateless: it
-cannot tell a paired producer's replay of an earlier grant of the same blocks (the owner
-holds a request's blocks until its transfer settles, so no other request has them).
+The consumer's owner gives its ranks one key (``OpenKVLink``); their endpoints publish
+only ``pairing_token(key)``, which a producer rank's hello must present. Each request's
+transfer must carry ``kv_nonce(key, blocks)``, which only the owner can make (it hands it
+out with the blocks: ``KVTarget``). Stateless: a paired producer's replay of an earlier
+grant of the same blocks passes (the owner holds them until that transfer settles).
 """
 
 from __future__ import annotations

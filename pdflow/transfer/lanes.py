@@ -1,12 +1,8 @@
-"""Transfer calls run off the request path, one worker thread per peer, under our deadline.
+"""Transfer calls run off the request path, one daemon thread per peer, under our deadline.
 
-The engine's calls block: a peer that accepts a connection but never answers the
-handshake holds a call ~61 s (not configurable), a stalled peer until
-MC_TRANSFER_TIMEOUT. So every call runs as a job on its peer's lane (a stuck peer stalls
-only its own queue), and its caller waits only until the job's deadline: then it gets a
-``TransferError`` whether or not the engine has returned, and a job that has not started
-by then never starts. Lane threads are daemons: a call stuck in the engine never holds
-up interpreter exit.
+An engine call can block ~61 s (a peer that never answers the handshake) or until
+MC_TRANSFER_TIMEOUT, so each runs on its peer's lane (a stuck peer stalls only its own
+queue) and its caller gets a ``TransferError`` at the deadline whether or not it returned.
 """
 
 from __future__ import annotations

@@ -1,36 +1,23 @@
 """The Mooncake Transfer Engine behind pdflow's KV transfer: one engine per rank.
 
 Direct writes (``transfer.staging=false``): each consumer rank registers its KV caches
-(``register_unit``) once, and a producer rank writes descriptor batches
-(``descriptors.block_descriptors``) straight into them, named by the consumer's session id
-(``host:rpc_port``, P2P handshake, no metadata server). Staged (the ``mooncake`` mover
-of ``p2p``): each pair registers a host buffer on both ends, one write per chunk. TCP works on loopback with the
-non-CUDA wheel (``mooncake-transfer-engine-non-cuda``); RDMA takes the device from the
-spec.
+once (``register_unit``) and a producer rank writes descriptor batches straight into
+them, named by the consumer's session id (``host:rpc_port``, P2P handshake). Staged (the
+``mooncake`` mover): each pair registers host staging on both ends. TCP works on
+loopback with the non-CUDA wheel; RDMA takes the device from the spec.
 
-What the engine needs from us, and gets here:
+What the engine needs from us:
+- Registrations under 2 GiB, in chunks of whole blocks; no descriptor crosses a chunk.
+- At most ``descriptor_batch`` descriptors a call: a TCP peer fails a larger batch.
+- Retries with doubling backoff (writes are idempotent): a rejected write drops one of
+  the peer's TCP lanes, so the next valid write may fail once.
+- Our own deadline on every call, off the request path (``lanes``), and sync writes
+  only (a failed async submit returns batch id 0, whose status query segfaults). A peer
+  that never answers the handshake holds the engine's segment-map lock ~61 s for all.
 
-- Registrations stay under 2 GiB: a cache is registered in chunks of whole blocks, and
-  descriptors never cross a chunk (``UnitRegion.chunk_blocks``).
-- At most ``descriptor_batch`` descriptors per call: a TCP peer queues about 1024 and
-  fails a larger batch at once.
-- Retries: a rejected write drops one of the peer's TCP lanes, so the next valid write
-  may fail once; every failed batch is retried ``retries`` times with doubling backoff
-  (writes are idempotent), then raises ``TransferError``.
-- Our own deadline on every call, run off the request path (``lanes.Lanes``). Only the
-  engine's sync writes are used: a failed async submit returns batch id 0, and
-  ``get_batch_transfer_status([0])`` segfaults.
-- A peer that accepts the handshake connection but never answers holds the engine's
-  segment-map lock for ~61 s: every write of this engine, to any peer, waits behind it.
-  Deadlines fail the requests caught behind it in time but cannot unblock the engine.
-
-Security: the engine's RPC (handshake) port and its TCP data port listen on ALL
-interfaces without any authentication, even when it is initialised with 127.0.0.1; any
-host that can reach them can write into registered memory. Run it only on a trusted
-network (or firewall those ports). pdflow's pair listeners bind ``transfer.host``
-(127.0.0.1 by default), drop every frame that is not a well-formed typed message, and
-take part only in pairs and requests their consumer's key grants (``grants``); direct
-writes have no such check.
+Security: the engine's RPC and TCP data ports listen on ALL interfaces, unauthenticated,
+whatever host it is given: run it on a trusted network. The pair listeners bind
+``transfer.host`` and check ``grants``; direct writes have no such check.
 """
 
 from __future__ import annotations
@@ -99,7 +86,7 @@ class MooncakeTransport:
                 break
             if attempt + 1 == INIT_ATTEMPTS:
                 raise TransferError(f"Mooncake initialize({host}, {spec.protocol}, {spec.device!r}) returned "
-                                    f"{rc} {INIT_ATTEMPTS} times; its log:\n{dropped.text()}")
+                                    f"{rc} {INIT_ATTEMPTS} times; its log:\n{''.join(dropped).strip()}")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self.stats = TransferStats()
         self._stats_lock = threading.Lock()

@@ -1,16 +1,11 @@
 """Mooncake's own (glog) log lines: quiet by default, all of them under ``-v``.
 
-Why: every engine logs ``E... Local segment descriptor not found`` (and a few warnings)
-while it initialises, before any segment exists. It is not an error, but eight ranks
-printing it are the first thing ``pdflow run`` shows, and it reads as one. Mooncake
-takes its level from ``MC_LOG_LEVEL`` when the engine is built (TRACE, INFO, WARNING,
-ERROR; nothing above ERROR), so ERROR alone does not hide that line: the engine's
-construction and ``initialize`` run with the process's stderr (fd 2, where glog
-writes) redirected to a file, and everything in it that is not a glog line is written
-back. When initialisation fails, the caller puts the dropped lines into its error.
-
-``PDFLOW_VERBOSE=1`` (``pdflow run -v``, ``pdflow serve -v``; rank processes inherit
-it) keeps Mooncake at INFO and redirects nothing. A user's own ``MC_LOG_LEVEL`` wins.
+Why: every engine logs ``E... Local segment descriptor not found`` while it initialises;
+not an error, but it reads as one, and ``MC_LOG_LEVEL=ERROR`` (the highest) still shows
+it. So the engine is built with fd 2 redirected to a file, and what is not a glog line is
+written back (a failed initialise puts the dropped lines into its error).
+``PDFLOW_VERBOSE=1`` (``-v``) keeps Mooncake at INFO and redirects nothing; a user's own
+``MC_LOG_LEVEL`` wins.
 """
 
 from __future__ import annotations
@@ -37,20 +32,11 @@ def set_mooncake_level() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if verbose() else "ERROR")
 
 
-class Dropped:
-    """The glog lines a quiet block kept off the terminal (for an error message)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def text(self) -> str:
-        return "".join(self.lines).strip()
-
-
 @contextlib.contextmanager
-def quiet_native_log() -> Iterator[Dropped]:
-    """Run the block with fd 2 redirected; write back what is not a glog line."""
-    dropped = Dropped()
+def quiet_native_log() -> Iterator[list[str]]:
+    """Run the block with fd 2 redirected; write back what is not a glog line, and yield
+    the glog lines kept off the terminal (for an error message)."""
+    dropped: list[str] = []
     if verbose():
         yield dropped
         return
@@ -67,6 +53,6 @@ def quiet_native_log() -> Iterator[Dropped]:
             sink.seek(0)
             kept = []
             for line in sink.read().decode(errors="replace").splitlines(keepends=True):
-                (dropped.lines if GLOG_LINE.match(line) else kept).append(line)
+                (dropped if GLOG_LINE.match(line) else kept).append(line)
             if kept:
                 os.write(2, "".join(kept).encode())

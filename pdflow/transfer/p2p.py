@@ -1,19 +1,11 @@
-"""Two-sided KV transfer pairs: ``transfer.staging`` (Mooncake) and ``transfer=nccl``.
-
-Mooncake's direct path writes one-sided into registered caches; here the consumer takes
-part, as in vLLM's P2P NCCL connector. One pair per (producer rank, consumer rank) that a
-cut plan joins: the consumer rank listens on a socket (typed control messages,
-``p2p_messages``); at pairing the producer says which source units it sends and how bytes
-will move (``p2p_parts.choose_mover``: ``mooncake``, ``nccl``, ``gloo``, ``ipc`` or
-``peer``, a file each under ``movers/``, each with a producer and a consumer half).
-
-Per request the producer packs the runs its cut plan names for that consumer rank
-(``packing``'s order, so every mover leaves identical caches; on a GPU one ``copy_plan``
-launch per chunk, computing the chunk's runs in the kernel from the block ids), moves them
-in chunks of the consumer's receive buffer, and waits for the consumer's word that it
-scattered the bytes into its caches: when ``send`` returns the KV is in place, as after a
-one-sided write, and the engine's path does not change. This end keeps connecting, the
-hello and its answer, the pair's lock, its deadline, and breaking and pairing again.
+"""Two-sided KV transfer pairs (``transfer.staging`` and ``transfer=nccl``): the consumer
+takes part, as in vLLM's P2P NCCL connector. One pair per (producer rank, consumer rank)
+that a cut plan joins: the consumer rank listens (``p2p_listener``); at pairing the
+producer says which source units it sends and how bytes move (a mover under ``movers/``).
+Per request the producer packs its runs in ``packing``'s order, moves them in chunks of
+the consumer's receive buffer, and waits for its word that they are scattered: when
+``send`` returns the KV is in place, as after a one-sided write. This end keeps
+connecting, the pair's lock and deadline, and breaking and pairing again.
 """
 
 from __future__ import annotations
@@ -107,22 +99,25 @@ class P2PPeer:
         self.deadline = GroupDeadline(self.sender.group, self.conn.sock)
 
     def _abandon(self) -> None:
-        """A set-up that failed part way (a mapping, a registration, a group: a
-        ``TransferError`` or any other error): the consumer's session sees the connection
-        close, and nothing made for the pair stays held."""
+        """A set-up that failed part way: the consumer's session sees the connection close,
+        and nothing made for the pair stays held."""
         self.conn.close()
         abort_group(self.sender.group)
         self.sender.release()
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int) -> None:
         """Move one request's runs into the consumer's ``dst_blocks`` (``nonce``: the consumer
-        owner's grant of them); returns once they are in its caches. A failure of the pair itself (a dead or stalled peer, a collective
-        error) leaves it broken until it pairs again (``_pair_again``)."""
+        owner's grant of them); returns once they are in its caches. A failure of the pair
+        itself (a dead or stalled peer, a collective error) leaves it broken until it pairs
+        again (``_pair_again``)."""
         with self._lock:
             if self.broken:
                 self._pair_again()
+            if any(not 0 <= b < self.source_blocks for b in src_blocks) or len(src_blocks) != len(dst_blocks):
+                raise TransferError(f"source blocks {list(src_blocks)} (pool of {self.source_blocks}) do not pair "
+                                    f"with {len(dst_blocks)} consumer blocks")
             try:
-                self._send(src_blocks, dst_blocks, request_id, nonce)
+                self.sender.send(src_blocks, dst_blocks, request_id, nonce, Phases(f"send {self.mover}", self.device))
             except TransferError:
                 raise
             except Exception as err:  # a dead peer, a timeout, a collective error
@@ -132,16 +127,15 @@ class P2PPeer:
                 raise TransferError(self.broken) from err
 
     def _pair_again(self) -> None:
-        """A broken pair pairs again, on a request's path, once its wait is over (the first
-        ``REPAIR_WAIT_S[0]`` after it broke, doubling after each failed attempt up to
-        ``REPAIR_WAIT_S[1]``): a consumer rank that stalled for a while serves again
-        without restarting this rank, and one that is gone costs each request in between
-        nothing but a refusal. Raises ``TransferError`` when the pair stays broken."""
+        """A broken pair pairs again on a request's path once its wait (``REPAIR_WAIT_S``)
+        is over: a consumer rank that stalled serves again without restarting this rank,
+        and one that is gone costs each request in between only a refusal. Raises
+        ``TransferError`` when the pair stays broken."""
         now = time.monotonic()
         if now < self._repair_at:
             raise TransferError(f"the pair is broken: {self.broken} (pairing again in "
                                 f"{self._repair_at - now:.1f} s)")
-        self._release()  # the consumer's end sees its connection close and ends that session
+        self.close()  # the consumer's end sees its connection close and ends that session
         try:
             self._pair()
         except Exception as err:  # refused, unreachable, or a mapping or registration that failed
@@ -153,19 +147,9 @@ class P2PPeer:
         self.broken, self._repair_wait = "", REPAIR_WAIT_S[0]
         self.repairs += 1
 
-    def _send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int) -> None:
-        limit = self.source_blocks
-        if any(not 0 <= b < limit for b in src_blocks) or len(src_blocks) != len(dst_blocks):
-            raise TransferError(f"source blocks {list(src_blocks)} (pool of {limit}) do not pair with "
-                                f"{len(dst_blocks)} consumer blocks")
-        self.sender.send(src_blocks, dst_blocks, request_id, nonce, Phases(f"send {self.mover}", self.device))
-
     def close(self) -> None:
-        self._release()  # not under the lock: a send in flight fails at once on the closed socket
-
-    def _release(self) -> None:
-        """Let go of the pair's connection and everything made for it (a closed or a
-        re-paired pair)."""
+        """Let go of the pair's connection and everything made for it. Not under the lock:
+        a send in flight fails at once on the closed socket."""
         self.deadline.close()
         self.conn.close()
         self.sender.release()

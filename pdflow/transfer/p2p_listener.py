@@ -1,6 +1,5 @@
-"""The consumer rank's end of the ``transfer.p2p`` pairs (``p2p``'s module docstring has
-the protocol): a listener per rank, a session thread per producer rank that pairs, and the
-per-request receive and scatter of each mover."""
+"""The consumer rank's end of the ``p2p`` pairs: a listener per rank, and a session thread
+per producer rank that pairs, which checks its token, each request's nonce and blocks."""
 
 from __future__ import annotations
 
@@ -49,13 +48,10 @@ class P2PListener:
                  buffer_bytes: int | None = None, transport: MooncakeTransport | None = None,
                  key: bytes | None = None):
         self.graph, self.rank, self.caches, self.spec = graph, rank, dict(caches), spec
-        # The consumer owner's pairing key (``grants``; ``KVLink.open`` sets it): a hello
-        # must present its token, a request its nonce for the blocks it names.
-        self.key = key or new_key()
+        self.key = key or new_key()  # the consumer owner's (``grants``): hellos and nonces are checked with it
         self.transport = transport  # producers write into this rank's host staging through it
-        # Per producer rank paired: transfer.staging_mib, or less when the longest request
-        # this side serves packs into less (sized per pair from its cut plan); an explicit
-        # ``buffer_bytes`` is taken as given.
+        # Per pair: transfer.staging_mib, or less when the longest request packs into less
+        # (``pair_buffer_bytes``); an explicit ``buffer_bytes`` is taken as given.
         self.buffer_bytes = buffer_bytes or spec.staging_mib << 20
         self.fit_to_requests = buffer_bytes is None
         self.device = next(iter(caches.values())).device
@@ -65,10 +61,8 @@ class P2PListener:
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._dir = tempfile.mkdtemp(prefix="pdflow-p2p-")
         self._sessions: list[_Session] = []
-        # Joined by close: a thread of this listener still ending after it would drop the
-        # listener's last reference (and its tensors) while the interpreter finalizes,
-        # and freeing a tensor then aborts the process ("terminate called without an
-        # active exception": the GIL is gone, pthread_exit unwinds through torch's C++).
+        # Joined by close: a thread still ending while the interpreter finalizes would free
+        # the listener's tensors without the GIL, which aborts the process.
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self.landed = 0  # requests scattered completely
@@ -79,8 +73,7 @@ class P2PListener:
         return pairing_token(self.key)
 
     def pair_buffer_bytes(self, plan: CutPlan) -> int:
-        """The receive buffer of a pair: the graph's rule (``transfer_buffers``), for the
-        longest request this consumer serves (max_model_len, or its whole pool)."""
+        """A pair's receive buffer: the graph's rule for the longest request served here."""
         if not self.fit_to_requests:
             return self.buffer_bytes
         par = parallel_of(self.graph.spec, CONSUMER)
@@ -120,9 +113,8 @@ class P2PListener:
 
 
 class _Session:
-    """One producer rank's connection to a consumer rank, served on its own thread: the
-    pairing checks (its token, then per request its nonce and its block ids) are here;
-    how its bytes move is its mover's (``receiver``)."""
+    """One producer rank's connection, on its own thread: the pairing checks are here, how
+    its bytes move is its mover's (``receiver``)."""
 
     def __init__(self, listener: P2PListener, conn: FramedSocket):
         self.listener, self.conn = listener, conn
@@ -148,8 +140,7 @@ class _Session:
         try:
             paired = self._pair()
         except BaseException as err:  # said here: the producer only sees the connection close
-            print(f"p2p: consumer rank {self.listener.rank} failed while pairing:\n{traceback.format_exc()}",
-                  file=sys.stderr, flush=True)
+            _log(f"consumer rank {self.listener.rank} failed while pairing:\n{traceback.format_exc()}")
             self.conn.close()
             if isinstance(err, OSError | TransferError | msgspec.DecodeError):  # a lost producer, a pair that
                 return  # never connected, or a peer that does not speak the protocol
@@ -166,11 +157,9 @@ class _Session:
         except (ConnectionError, OSError, TimeoutError, msgspec.DecodeError) as err:  # the producer left, a
             # deadline passed, or a frame that is no message
             if not isinstance(err, PeerClosed | ConnectionResetError) and not self.listener._closed.is_set():
-                print(f"p2p: consumer rank {self.listener.rank} closes a pair: {type(err).__name__}: {err}",
-                      file=sys.stderr, flush=True)
+                _log(f"consumer rank {self.listener.rank} closes a pair: {type(err).__name__}: {err}")
         except RuntimeError:  # torch.distributed: a receive's error or timeout
-            print(f"p2p: consumer rank {self.listener.rank} closes a pair:\n{traceback.format_exc()}",
-                  file=sys.stderr, flush=True)
+            _log(f"consumer rank {self.listener.rank} closes a pair:\n{traceback.format_exc()}")
         finally:
             if paired:  # nothing of the pair may still wait on the GPU
                 self.deadline.close()
@@ -178,19 +167,17 @@ class _Session:
             self.conn.close()
 
     def _pair(self) -> bool:
-        """Answer a producer's hello: refused (and why), or ready with the way in. What can
-        fail here (an allocation, a registration, a mapping) fails before the answer, so the
-        producer hears the reason instead of a closed socket. Whether it paired."""
+        """Answer a producer's hello: refused (and why), or ready. What can fail (an
+        allocation, a registration, a mapping) fails before the answer, so the producer
+        hears the reason instead of a closed socket. Whether it paired."""
         lis = self.listener
         hello = self.conn.recv()
         if not isinstance(hello, P2PHello):  # said here: the other end only sees the connection close
-            print(f"p2p: consumer rank {lis.rank} closed a connection that opened with {type(hello).__name__}, "
-                  "not a pairing hello", file=sys.stderr, flush=True)
+            _log(f"consumer rank {lis.rank} closed a connection that opened with {type(hello).__name__}, not a hello")
             return False
         self.producer_rank = hello.producer_rank
         if not token_matches(lis.key, hello.pairing):  # not a producer this consumer paired with
-            print(f"p2p: consumer rank {lis.rank} refused a hello (producer rank {hello.producer_rank}) without "
-                  "its pairing token", file=sys.stderr, flush=True)
+            _log(f"consumer rank {lis.rank} refused a hello (producer rank {hello.producer_rank}) without its token")
             self.conn.send(P2PReady(refused=f"unknown hello: consumer rank {lis.rank} pairs only with a producer "
                                             "that presents its endpoint's pairing token (pair through the "
                                             "consumer's owner or /pdflow/pair)"))
@@ -243,16 +230,12 @@ class _Session:
         blocks = request.dst_blocks
         pending = self.receiver.post_first(blocks)  # first: the producer's first chunk waits on it
         self.conn.sock.settimeout(self.listener.spec.timeout_s)
-        error = self._ungranted(request) or bad_blocks(blocks, self.pool)
+        # Refused before a byte is scattered: a nonce that is not the owner's grant of these blocks.
+        granted = nonce_matches(self.listener.key, blocks, request.nonce)
+        error = bad_blocks(blocks, self.pool) if granted else (
+            f"request {request.request_id!r}: its nonce does not grant blocks {blocks} of consumer "
+            f"rank {self.listener.rank}; refused, nothing scattered")
         self.receiver.receive(request, error, pending, phases)
-
-    def _ungranted(self, request: P2PRequest) -> str:
-        """Why a request is refused before a byte is scattered: its nonce is not the
-        consumer owner's grant of the blocks it names."""
-        if nonce_matches(self.listener.key, request.dst_blocks, request.nonce):
-            return ""
-        return (f"request {request.request_id!r}: its nonce does not grant blocks {request.dst_blocks} of consumer "
-                f"rank {self.listener.rank}; refused, nothing scattered")
 
     def block_ids(self, blocks: list[int], error: str) -> torch.Tensor | None:
         """The block ids ``copy_plan`` reads (GPU caches; none for a request already failed)."""
@@ -268,3 +251,7 @@ class _Session:
             return ""
         except Exception as err:
             return f"{type(err).__name__}: {err}"
+
+
+def _log(text: str) -> None:
+    print(f"p2p: {text}", file=sys.stderr, flush=True)

@@ -1,11 +1,7 @@
-"""Control messages of the two-sided (``transfer=nccl``) KV path, and their framing.
-
-One TCP connection per (producer rank, consumer rank), opened by the producer at pairing.
-Frames are a 4-byte big-endian length and a msgpack-encoded tagged message, decoded
-strictly: anything else ends the connection. Payload bytes never ride this socket: they
-move over the pair's process group (Gloo for CPU caches, NCCL between two GPUs), through
-a CUDA IPC mapping of the consumer's receive buffer (both ranks on one GPU), or straight
-into the consumer's caches mapped the same way (``peer``).
+"""Control messages of the two-sided KV pairs (``p2p``), and their framing: one TCP
+connection per (producer rank, consumer rank), frames of a 4-byte big-endian length and
+a msgpack-encoded tagged message, decoded strictly (anything else ends the connection).
+Payload bytes never ride this socket: they are the movers'.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import msgspec
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 MAX_FRAME = 1 << 24  # control messages only (a request's block list is the largest)
-
 
 
 class P2PHello(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_hello"):
@@ -56,10 +51,9 @@ class CacheMapping(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class P2PReady(msgspec.Struct, kw_only=True, frozen=True, tag="p2p_ready"):
-    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size, and
-    how to reach it: the rendezvous file of the pair's process group, the buffer itself to
-    map (``ipc``), the caches themselves (``peer``), or its registered address in the
-    consumer's Mooncake engine."""
+    """Consumer -> producer: pairing accepted (or ``refused``), the receive buffer's size,
+    and what the mover needs to reach it (a group's rendezvous file, a buffer or caches to
+    map, or a registered address in the consumer's Mooncake engine)."""
 
     buffer_bytes: NonNegative = 0
     store_path: str = ""
@@ -107,7 +101,7 @@ class PeerClosed(ConnectionError):
 
 
 class FramedSocket:
-    """Length-prefixed typed messages (and raw byte payloads) over one stream socket."""
+    """Length-prefixed typed messages over one stream socket."""
 
     def __init__(self, sock: socket.socket):
         # Small request/ack messages: without NODELAY, Nagle holds a message back until the
@@ -116,19 +110,14 @@ class FramedSocket:
         self.sock = sock
 
     def send(self, message: P2PMessage) -> None:
-        self.send_bytes(_encoder.encode(message))
-
-    def recv(self) -> P2PMessage:
-        return _decoder.decode(self.recv_bytes())
-
-    def send_bytes(self, data: bytes) -> None:
+        data = _encoder.encode(message)
         self.sock.sendall(struct.pack(">I", len(data)) + data)
 
-    def recv_bytes(self) -> bytes:
+    def recv(self) -> P2PMessage:
         (n,) = struct.unpack(">I", self._exact(4))
         if n > MAX_FRAME:
             raise ConnectionError(f"a {n}-byte frame is over the {MAX_FRAME}-byte limit")
-        return self._exact(n)
+        return _decoder.decode(self._exact(n))
 
     def _exact(self, n: int) -> bytes:
         buf = bytearray(n)

@@ -95,11 +95,9 @@ def peer_access(producer: str, consumer: str) -> bool:
 
 def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
     """The packed stream of a request, as runs of whole pieces of at most ``max_bytes``.
-
-    ``ramp`` > 0 (a pipeline: pack chunk i+1 while chunk i moves): the first and the last
-    chunks are smaller, ``max_bytes >> ramp`` doubling up to ``max_bytes`` and halving
-    down again at the end, so the wire starts after a short pack and the last scatter is
-    short (the pipeline's fill and drain), at the cost of a few more messages."""
+    ``ramp`` > 0 (a pipeline): the first and last chunks are smaller (``max_bytes >> ramp``
+    doubling up, then halving down), so the wire starts after a short pack and the last
+    scatter is short."""
     total = packed_nbytes(plan, num_blocks)
     per_block = max((g.bytes_per_unit for g in plan.groups), default=1)
     limits = _ramp(total, max_bytes, ramp, floor=per_block)
@@ -116,14 +114,10 @@ def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> lis
     return out
 
 
-def request_chunks(plan: CutPlan) -> Callable[..., list[list[Piece]]]:
-    """A pair's ``chunks(num_blocks, max_bytes, ramp=0)``, remembered for the last
-    ``CHUNK_LISTS`` request shapes (both ends of the pair derive the same lists from the
-    same plan; bounded: a server sees every request length)."""
-    return functools.lru_cache(maxsize=CHUNK_LISTS)(functools.partial(chunks, plan))
-
-
-CHUNK_LISTS = 64
+def request_chunks(plan: CutPlan, remembered: int = 64) -> Callable[..., list[list[Piece]]]:
+    """A pair's ``chunks(num_blocks, max_bytes, ramp=0)`` for the last ``remembered``
+    request shapes (both ends derive the same lists from the same plan)."""
+    return functools.lru_cache(maxsize=remembered)(functools.partial(chunks, plan))
 
 
 def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
@@ -142,11 +136,9 @@ def _ramp(total: int, max_bytes: int, ramp: int, *, floor: int) -> list[int]:
 
 
 def abort_group(group: dist.ProcessGroup | None) -> None:
-    """Cancel what a broken pair's NCCL group still has in flight. A send whose receiver
-    died (or a receive whose sender did) waits on the GPU for good; left there, torch's
-    watchdog ends this whole process when it times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
-    default), taking every other pair and request of the rank with it. Gloo's waits end
-    with its own timeout: nothing to do."""
+    """Cancel what a broken pair's NCCL group still has in flight: a send whose receiver
+    died waits on the GPU for good, until torch's watchdog ends this whole process (and
+    every other pair of the rank). Gloo's waits end with its own timeout."""
     if _is_nccl(group):
         with contextlib.suppress(Exception):  # already aborted, or torch without abort()
             group.abort()
@@ -158,14 +150,10 @@ def _is_nccl(group: dist.ProcessGroup | None) -> bool:
 
 class GroupDeadline:
     """Aborts a pair's NCCL group when a request's deadline passes while it is armed, or
-    sooner when the other end closes the pair's control connection meanwhile (its process
-    died, or it gave the request up). A send or receive whose peer died or stalled waits on
-    the GPU for good, and so would the host: in a device synchronize, or in NCCL's own
-    enqueue once its work queue is full of ops that cannot start. Aborting the group ends
-    both (torch then raises), where torch's watchdog would end the whole process. One
-    watching thread per pair, armed per request by setting an attribute: nothing starts on
-    the request's path. Gloo's waits end with its own timeout (or its broken connection to
-    a dead peer): nothing to watch."""
+    sooner when the other end closes the pair's control connection. A send or receive whose
+    peer died or stalled waits on the GPU for good, and so would the host (in a synchronize,
+    or in NCCL's enqueue once its queue is full); aborting ends both. One watching thread
+    per pair, armed per request by an attribute: nothing starts on the request's path."""
 
     POLL_S = 0.05
 
@@ -217,10 +205,9 @@ def peer_closed(sock: socket.socket) -> bool:
         return True
 
 
-# What a consumer rank hands a producer rank of its own process (``ipc``: its receive
-# buffer; ``peer``: its caches as bytes [blocks, block bytes]) in place of CUDA IPC
-# handles: opening a handle in the process that made it fails ("invalid device context"),
-# and the memory is already here. By key; the consumer's session removes its entry.
+# What a consumer rank hands a producer rank of its own process (its receive buffer, or
+# its caches) in place of CUDA IPC handles, which cannot be opened in the process that
+# made them. By key; the consumer's session removes its entry.
 IN_PROCESS: dict[str, object] = {}
 
 
@@ -262,9 +249,8 @@ def pool_blocks(plan: CutPlan, caches: Mapping[str, torch.Tensor]) -> int:
 
 
 def bad_blocks(blocks: Sequence[int], limit: int) -> str:
-    """Why these consumer block ids (a pool of ``limit``: ``pool_blocks``) cannot be
-    written (checked before any byte lands: on a GPU an out-of-range index would take the
-    whole device context down)."""
+    """Why these consumer block ids (a pool of ``limit``) cannot be written: checked before
+    any byte lands (on a GPU an out-of-range index takes the device context down)."""
     if len(set(blocks)) != len(blocks):
         return f"consumer block ids repeat: {list(blocks)}"
     out = [b for b in blocks if not 0 <= b < limit]
@@ -275,10 +261,8 @@ def copy_chunk(chunk: list[Piece], data: torch.Tensor, blocks: Sequence[int], *,
                caches: Mapping[str, torch.Tensor], other_block_bytes: Mapping[str, int], reverse: bool,
                table=None, ids: torch.Tensor | None = None, programs: int = 0) -> None:
     """Chunk ``chunk`` of a request between the packed bytes ``data`` and this rank's
-    ``caches``: packed from them (producer) or, ``reverse``, scattered into them
-    (consumer). One ``copy_plan`` launch over the chunk's runs on a GPU (``ids``: the
-    block ids it reads, from the pair's ``RunTable``), torch index ops per piece on CPU.
-    ``other_block_bytes``: the other side's bytes per block, per unit."""
+    ``caches``: packed from them, or (``reverse``) scattered into them. One ``copy_plan``
+    launch on a GPU (``ids``: from the pair's ``RunTable``), torch index ops on CPU."""
     base = chunk[0].offset
     if ids is not None:
         first, stop = table.span(chunk, len(blocks))

@@ -1,15 +1,10 @@
-"""Packed staging: one request's head-cut runs for one consumer rank, in one buffer.
+"""Packed staging: one request's cut runs for one consumer rank, in one buffer.
 
-Over TCP each descriptor costs ~32 us whatever its length, so a page-16 head cut sent as
-raw runs (8 per unit per block) crawls. The packed path gathers the runs the graph's cut
-plan names into one contiguous buffer on the producer, moves it in one large write, and
-scatters it into the unit caches on the consumer. The packed order is the direct path's
-descriptor order (group, unit pair, block, run), so both paths leave the consumer's
-caches byte-identical.
-
-Pure torch on byte views, no engine: ``pieces`` splits a request's stream into pieces
-under a staging buffer's size; ``pack_piece``/``unpack_piece`` move one (the pairs'
-``copy_chunk`` runs them per chunk on CPU caches).
+Why: over TCP each descriptor costs ~32 us whatever its length, so a head cut sent as raw
+runs crawls. The producer gathers the runs into one buffer, moves it in large writes,
+and the consumer scatters it. The packed order is the direct path's descriptor order
+(group, unit pair, block, run): every path leaves byte-identical caches. Pure torch on
+byte views (the pairs' ``copy_chunk`` runs ``pack_piece``/``unpack_piece`` on CPU).
 """
 
 from __future__ import annotations

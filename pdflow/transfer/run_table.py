@@ -1,17 +1,12 @@
-"""A cut plan's packed stream as copy rows, for ``pdflow.kernels.copy_runs``.
+"""A cut plan's packed stream (``packing``'s order) as copy rows for ``pdflow.kernels``:
+per row, the address on this rank's side, its offset in the stream, its length in words.
 
-The packed order is ``packing``'s (group, unit pair, block, run), so a buffer packed from
-these rows is byte-identical to ``packing.pack``'s. For each row: the address on this
-rank's side (a producer cache's run, or a consumer cache's), its offset in the stream, and
-its length in words. ``plan``/``ids`` feed ``copy_plan``, which computes every row in the
-kernel from per-group constants and the request's block ids (the pairs' pack and scatter:
-a request copies its block ids to the device and builds nothing). ``rows`` materializes them (a producer writing straight into
-a consumer's caches pairs two tables' rows): on the caches' device, in a table kept per
-request length (offsets and lengths filled once); a request writes only its addresses,
-one op per group; a chunk of the stream (whole pieces) is a contiguous slice of them whose
-bounds come from the plan's arithmetic on the host, so no chunk rebuilds or moves a table
-(the host-built, per-chunk tables this replaced cost 2-9 ms a chunk at page 16 against a
-0.1 ms copy).
+``plan``/``ids`` feed ``copy_plan``, which computes every row in the kernel from
+per-group constants and the request's block ids (the pairs' pack and scatter).
+``rows`` materializes them for a producer writing straight into a consumer's caches, in a
+device table kept per request length (a request writes only its addresses, one op per
+group). Why: the host-built, per-chunk tables this replaced cost 2-9 ms a chunk against a
+0.1 ms copy.
 """
 
 from __future__ import annotations
@@ -94,11 +89,9 @@ class RunTable:
     def ids(self, blocks: Sequence[int]) -> torch.Tensor:
         """The request's block ids where ``copy_plan`` reads them, on the rows' device: one
         host-to-device copy from pinned memory, the only device op a request adds before
-        its first copy (on the GPU host measured, each op on a request's path cost 20-140
-        us, and building its rows ~0.2 ms of the ~0.5 ms before its first chunk moved).
-        Rewritten by the next request: the copies reading them must be in stream order
-        after this request's (a pair's requests run one at a time on one stream, each
-        synchronized at its end)."""
+        its first copy (each op on a request's path cost 20-140 us on the GPU host).
+        Rewritten by the next request (a pair's requests run one at a time on one stream,
+        each synchronized at its end)."""
         k = len(blocks)
         if k > self._ids.numel():
             n = max(k, 2 * self._ids.numel())
@@ -112,13 +105,9 @@ class RunTable:
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """int64 [n, 3] on the device: (address, stream offset, words) of every run of these
-        blocks, in stream order.
-
-        The table is this RunTable's buffer for requests of this length, rewritten by the
-        next call for the same length: use it before then (a pair's requests run one at a
-        time, each synchronized at its end). Per request: one host-to-device copy of the
-        block ids and one op per group (each eager op costs ~15 us of host time, and these
-        rows are on the request's critical path)."""
+        blocks, in stream order: this RunTable's buffer for requests of this length,
+        rewritten by the next call for the same length. Per request: one host-to-device
+        copy of the block ids and one op per group (each eager op costs ~15 us)."""
         k = len(blocks)
         rows, host, dev = self._template(k)
         if k:

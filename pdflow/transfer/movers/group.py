@@ -25,15 +25,10 @@ from pdflow.transfer.packing import Piece
 
 def pair_group(mover: str, store_path: str, rank: int, timeout_s: float, probe: torch.Tensor) -> dist.ProcessGroup:
     """The pair's two-rank group (rank 1 the producer), connected before it returns:
-    ``probe`` (the largest message the pair will carry: half its buffer) crosses it, both
-    ends waiting. NCCL builds a communicator, and its peer connections, on the first
-    operation, allocating and mapping device memory, which waits for kernels already
-    running on the GPU; built during traffic, while another pair's receive waits on the
-    same GPU, two ranks can wait on each other for good (seen at PP4 -> TP4 on four GPUs:
-    each consumer rank pairs with three producer stages over NCCL; NVIDIA/nccl#195). At
-    pairing no transfer waits on the pair being built. Gloo connects when it is made: a
-    few bytes check it. A peer that never joins (or a failed probe) is a ``TransferError``,
-    which the producer answers as a refusal and the consumer as a closed pair."""
+    ``probe`` (half its buffer, the largest message it carries) crosses it. NCCL connects
+    on the first operation, mapping device memory behind kernels already running; built
+    during traffic, two ranks can wait on each other for good (seen at PP4 -> TP4;
+    NVIDIA/nccl#195). A peer that never joins is a ``TransferError``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.FileStore(store_path, 2)
@@ -73,7 +68,7 @@ class GroupSender(Sender):
         self.buffer_bytes = ready.buffer_bytes
         self.buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=peer.device)
         self.group = pair_group(peer.mover, ready.store_path, 1, peer.timeout_s, self.buf[:self.buffer_bytes // 2])
-        self.halves = two_halves(self.buf)  # ``_stream``'s two slots
+        self.halves = two_halves(self.buf)  # ``send``'s two slots
         # The consumer's verdict on each request (``_verdict``), and its host copy.
         self.verdict = torch.zeros(1, dtype=torch.int64, device=peer.device)
         self.verdict_host = self.verdict if peer.device.type != "cuda" else torch.zeros(
@@ -83,12 +78,9 @@ class GroupSender(Sender):
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int,
              phases: Phases) -> None:
-        ids = self.announce(src_blocks, dst_blocks, request_id, nonce, phases)
-        self._stream(src_blocks, ids, request_id, phases)
-
-    def _stream(self, src_blocks: Sequence[int], ids: torch.Tensor | None, request_id: str, phases: Phases) -> None:
         """Pack chunk i+1 into one half of ``buf`` while chunk i is on the wire from the
         other, then wait for the consumer's verdict."""
+        ids = self.announce(src_blocks, dst_blocks, request_id, nonce, phases)
         peer = self.peer
         parts = peer._chunks(len(src_blocks), self.buffer_bytes // 2, peer.ramp)
         with peer.deadline.armed(peer.timeout_s) as aborted:  # a consumer that stalls or dies
@@ -115,10 +107,9 @@ class GroupSender(Sender):
 
     def _verdict(self) -> bool:
         """Wait for the consumer's 8-byte verdict on the pair's group (whether the request
-        failed): sent in stream order after its last scatter, so no host step on its side
-        and no socket on the path; a failure's text follows on the control socket. Waited
-        for on a stream of its own: this rank's stream may already hold its next step's
-        work. A stalled or dead consumer is the armed deadline's (``GroupDeadline``)."""
+        failed), sent in stream order after its last scatter: no host step and no socket on
+        the path (a failure's text follows on the socket). On a stream of its own: this
+        rank's stream may already hold its next step's work."""
         with torch.cuda.stream(self.verdict_stream) if self.verdict_stream is not None else contextlib.nullcontext():
             self.group.recv([self.verdict], 0, 0).wait()
             if self.verdict_stream is not None:

@@ -1,10 +1,7 @@
-"""The mover protocol: how a ``transfer.p2p`` pair's bytes move, in two halves. A
-``Sender`` is the producer rank's half (``P2PPeer`` makes one at each pairing), a
-``Receiver`` the consumer rank's (its ``_Session`` makes one per pair). Each mover owns its
-set-up (what its ``P2PReady`` carries), its per-request send or receive, and its release;
-the pair's ends keep the rest (connecting, the hello and its token, the nonce and block
-checks, locking, broken pairs and their repair, deadlines). The registry by name is
-``movers/__init__``."""
+"""The mover protocol: how a ``p2p`` pair's bytes move, in two halves: a ``Sender`` on the
+producer rank, a ``Receiver`` on the consumer rank. Each mover owns its set-up (what its
+``P2PReady`` carries), its per-request send or receive, and its release; the pair's ends
+keep the rest (the hello, the token, nonce and block checks, locks, repairs, deadlines)."""
 
 from __future__ import annotations
 
@@ -80,9 +77,8 @@ class Sender:
 
 
 class Receiver:
-    """The consumer's half of a mover: set up before the answer (what can fail fails
-    there, and the producer hears why), connected after it, then one ``receive`` per
-    request once the session has checked its grant and blocks, then released."""
+    """The consumer's half of a mover: set up before the answer (the producer hears why it
+    failed), connected after it, then one ``receive`` per request, then released."""
 
     direct = False  # the producer writes the caches itself: no RunTable here
     group = None  # the pair's process group, if it has one

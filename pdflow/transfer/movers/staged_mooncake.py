@@ -37,10 +37,6 @@ class MooncakeSender(AckedSender):
         self.remote = (ready.session, ready.base)
 
     def deliver(self, nbytes: int, phases: Phases) -> None:
-        self._write(nbytes)
-        phases.mark("write")
-
-    def _write(self, nbytes: int) -> None:
         if self.buf is not self.host:
             self.host[:nbytes].copy_(self.buf[:nbytes])  # device to host, synchronous
         session, base = self.remote
@@ -48,6 +44,7 @@ class MooncakeSender(AckedSender):
             self.peer.transport.write(session, Descriptors(src=[self.host_base], dst=[base], length=[nbytes]))
         except TransferError as err:  # the consumer waits for this chunk's note: the pair's protocol is lost
             raise ConnectionError(f"the Mooncake write into the consumer's staging failed: {err}") from err
+        phases.mark("write")
 
     def release(self) -> None:
         if self.host_base is not None:
