@@ -73,7 +73,8 @@ def test_one_producer_rank_writes_interleaved_into_two_consumers(two_consumers):
 
 
 def test_exports_for_two_consumers_in_one_step_land_through_the_sender(two_consumers):
-    """The sender's lanes route each export to the ranks of the consumer it names."""
+    """The sender splits a step's exports by consumer and routes each to the ranks of the
+    consumer it names."""
     graph, consumers, sources, producer = two_consumers
     for cid, consumer in consumers.items():
         producer.pair(consumer.endpoints(), cid)
@@ -82,8 +83,11 @@ def test_exports_for_two_consumers_in_one_step_land_through_the_sender(two_consu
         exports = [_export(cid, c, i, *REQUESTS[cid][i]) for i in range(2) for cid, c in consumers.items()]
         sender.start(exports)
         sender.drain(timeout_s=60)
-        (sent,) = sender.settled()
-        assert sent.failed == {} and sorted(sent.request_ids) == sorted(e.request_id for e in exports)
+        sents = sender.settled()  # one report per consumer: each consumer's thread sends its own
+        assert len(sents) == 2 and all(sent.failed == {} for sent in sents)
+        assert sorted(r for sent in sents for r in sent.request_ids) == sorted(e.request_id for e in exports)
+        assert {sent.request_ids[0][:2] for sent in sents} == {"d0", "d1"}
+        assert all(len({r[:2] for r in sent.request_ids}) == 1 for sent in sents)
     finally:
         sender.close()
     for cid, consumer in consumers.items():

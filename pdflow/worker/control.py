@@ -1,7 +1,9 @@
 """Control messages a rank answers between steps (the same code in process and per rank):
 open its KV link (register the pool with the transfer engine), pair with consumers and
 forget them. Pairing one more consumer leaves the sender running: exports to the others
-go on. Re-pairing or forgetting one closes its peers, so exports in flight settle first."""
+go on. Re-pairing or forgetting one closes its peers, so its exports in flight settle
+first (``KVSender.close_consumer``); the other consumers' go on meanwhile, and the rank
+waits for none of theirs."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
     if isinstance(msg, OpenKVLink):
         return KVLinkOpened(endpoint=stage.link.open(msg.key))
     if isinstance(msg, PairConsumer):
-        if stage.link.paired(msg.consumer):  # its old peers close: exports in flight settle first
-            stage.close_sender()
+        if stage.link.paired(msg.consumer):  # its old peers close: its exports in flight settle first
+            stage.close_consumer(msg.consumer)
         try:
             stage.link.pair(msg.endpoints, msg.consumer)
         except PairingRefused as err:
@@ -38,8 +40,8 @@ def handle_control(stage: Stage, graph: RunGraph, role: str, rank: int, msg: Con
         return Paired(rank=rank)
     if isinstance(msg, ForgetConsumer):
         held = stage.link.paired(msg.consumer)
-        if held:  # its peers close: exports in flight settle first
-            stage.close_sender()
+        if held:  # its peers close: its exports in flight settle first
+            stage.close_consumer(msg.consumer)
             stage.link.forget(msg.consumer)
         return Forgot(rank=rank, held=held)
     raise TypeError(f"rank {rank} cannot handle {type(msg).__name__}")

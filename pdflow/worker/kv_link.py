@@ -106,7 +106,7 @@ class KVLink:
             self.regions = {name: self.transport.register_unit(unit, caches[name])
                             for name, unit in self.units.items()}
         # Producer side: consumer instance id -> its ranks' peers. Replaced whole (never
-        # mutated in place) as consumers pair, so the sender's thread reads it unlocked.
+        # mutated in place) as consumers pair, so the sender's threads read it unlocked.
         self.consumers: dict[str, ConsumerPeers] = {}
         self._consumer_ranks = graph.consumer_ranks_of(rank)
 
@@ -206,8 +206,8 @@ class KVLink:
 
     def send(self, consumer_rank: int, job: KVExport) -> int:
         """Write one request's blocks into one rank of the consumer the job names; raises
-        if they did not land (or that consumer never paired with this rank). Runs on the
-        sender's thread, in its stream, ordered after the forward that wrote them; each
+        if they did not land (or that consumer never paired with this rank). Runs on a lane of
+        the sender's thread for that consumer, in its stream, ordered after the forward that wrote them; each
         pair has its own lock, so the consumer ranks are written at once. Returns the
         bytes moved: the cut plan's runs for these blocks."""
         peers = self.consumers.get(job.consumer)

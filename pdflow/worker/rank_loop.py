@@ -4,7 +4,8 @@ then run every StepInput the owner sends until it says Shutdown.
 Hidden states, and the drafter taps captured so far, go stage to stage over
 torch.distributed; the last stage samples and its first TP rank answers the owner. A
 producer rank hands a step's KV exports to its sender after the step's PP send and
-answers ``KVSent`` from the sender's thread whenever they settle.
+answers ``KVSent`` from the sender's threads (one per consumer instance) whenever they
+settle.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def serve_rank(ctx: RankContext, channel: Channel) -> None:
     relays_out = bool(plan.stages[me.stage].taps_relayed)
     channel.send(RankReady(rank=ctx.rank, pid=os.getpid(), num_kv_blocks=stage.kv.num_blocks,
                            warm_up_s=warm_up_s))
-    stage.report_sent = channel.send  # the sender's thread reports settled exports (KVSent)
+    stage.report_sent = channel.send  # the sender's threads report settled exports (KVSent)
 
     with torch.inference_mode():
         while True:

@@ -159,10 +159,17 @@ class Stage:
             return before
         return before + self.sender.settled(0.0 if before else wait_s)
 
+    def close_consumer(self, consumer: str) -> None:
+        """Let the exports in flight to consumer instance ``consumer`` settle and stop its
+        thread of the sender (before its peers are forgotten or replaced); the other
+        consumers' exports go on. Its reports come as usual (in process: ``settled``)."""
+        if self.sender is not None:
+            self.sender.close_consumer(consumer)
+
     def close_sender(self) -> None:
-        """Let every export in flight settle and stop the sender (before the link changes);
-        in process, its reports stay for ``settled`` (the owner holds those requests'
-        blocks until it hears)."""
+        """Let every export in flight settle and stop the sender (at release); in process,
+        its reports stay for ``settled`` (the owner holds those requests' blocks until it
+        hears)."""
         if self.sender is not None:
             self.sender.close()
             self.settled_before += self.sender.settled()
