@@ -3,6 +3,8 @@
 An engine call can block ~61 s (a peer that never answers the handshake) or until
 MC_TRANSFER_TIMEOUT, so each runs on its peer's lane (a stuck peer stalls only its own
 queue) and its caller gets a ``TransferError`` at the deadline whether or not it returned.
+A job not started by its deadline never starts; lane threads are daemons, so a call stuck
+in the engine never holds up interpreter exit.
 """
 
 from __future__ import annotations

@@ -164,11 +164,10 @@ class KVSender:
     @torch.inference_mode()
     def _lane(self, lanes: _ConsumerLanes, consumer_rank: int, export: KVExport,
               ready: torch.cuda.Event | None) -> int:
+        inject_fault("export", self.role, self.rank, consumer=export.consumer)
         stream = lanes.streams.get(consumer_rank)
         if stream is None:
-            inject_fault("export", self.role, self.rank, consumer=export.consumer)
             return self.link.send(consumer_rank, export)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):  # a thread starts on GPU 0
             stream.wait_event(ready)  # the forward that wrote this KV, before any read of it
-            inject_fault("export", self.role, self.rank, consumer=export.consumer)
             return self.link.send(consumer_rank, export)

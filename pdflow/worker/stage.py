@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -105,8 +105,6 @@ class Stage:
     link: KVLink | None = None
     sender: KVSender | None = None
     report_sent: Callable[[KVSent], None] | None = None
-    # In process: what a closed sender had settled and the owner had not taken yet.
-    settled_before: list[KVSent] = field(default_factory=list)
     # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
     # per-step part and its draft KV pool (units exported like the target's).
     drafting: Drafting | None = None
@@ -154,10 +152,7 @@ class Stage:
 
     def settled(self, wait_s: float = 0.0) -> list[KVSent]:
         """In process: the exports settled since the last call (``KVSender.settled``)."""
-        before, self.settled_before = self.settled_before, []
-        if self.sender is None:
-            return before
-        return before + self.sender.settled(0.0 if before else wait_s)
+        return self.sender.settled(wait_s) if self.sender is not None else []
 
     def close_consumer(self, consumer: str) -> None:
         """Let the exports in flight to consumer instance ``consumer`` settle and stop its
@@ -167,12 +162,10 @@ class Stage:
             self.sender.close_consumer(consumer)
 
     def close_sender(self) -> None:
-        """Let every export in flight settle and stop the sender (at release); in process,
-        its reports stay for ``settled`` (the owner holds those requests' blocks until it
-        hears)."""
+        """Let every export in flight settle and stop the sender (at release: nothing takes
+        its reports after; re-pairing and forgetting close one consumer's, ``close_consumer``)."""
         if self.sender is not None:
             self.sender.close()
-            self.settled_before += self.sender.settled()
             self.sender = None
 
     def draft(self, step: StepInput, ids: torch.Tensor, positions: torch.Tensor, meta,
