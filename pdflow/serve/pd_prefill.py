@@ -55,11 +55,10 @@ class PrefillBackend(EngineFacts):
         self.consumers: dict[str, list[KVEndpoint]] = {}
         self.paired: set[str] = set()
         self.pairings: dict[str, int] = {}  # ranks paired, per consumer id (/metrics)
-        # Consumers whose peers the ranks hold now (replaced whole: routes read it), and
-        # those to forget once none of their prefills is in the engine: their endpoints
-        # are gone (/pdflow/unpair, a refused re-pairing) or a transfer to them failed.
+        # Consumers whose peers the ranks hold now (replaced whole: routes read it). One
+        # held but no longer paired with its posted endpoints (it left: /pdflow/unpair, a
+        # transfer to it failed, it posted others) is forgotten once idle (``_let_go``).
         self.held: frozenset[str] = frozenset()
-        self._forgetting: set[str] = set()
         # Outputs of the steps a pairing collected (``LLMEngine.pair``), for the next ``step``.
         self._collected: list[TokenOutput] = []
         self.remote: dict[str, str] = {}  # in the engine, answer not yet taken: its consumer id
@@ -100,7 +99,7 @@ class PrefillBackend(EngineFacts):
                     first=out, error=failed and f"KV transfer failed: {failed}")
                 self.prefills += failed is None
                 if failed:  # a dead consumer's peers go; a live one pairs again on its next prefill
-                    self._leave(consumer)
+                    self.paired.discard(consumer)
         return stepped
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
@@ -117,23 +116,19 @@ class PrefillBackend(EngineFacts):
         self.consumers.pop(consumer, None)
         self.pairings.pop(consumer, None)
 
-    def _leave(self, consumer: str) -> None:
-        self.paired.discard(consumer)
-        self._forgetting.add(consumer)
-
     def _let_go(self) -> None:
-        """Forget the leaving consumers none of whose prefills is in the engine any more
-        (exports to them settle first); one that paired again meanwhile keeps its peers."""
-        for consumer in [c for c in self.held if c not in self.consumers]:
-            self._leave(consumer)
-        for consumer in list(self._forgetting):
-            if consumer in self.paired:  # paired again since: its peers are new
-                self._forgetting.discard(consumer)
-            elif consumer not in self.remote.values():
-                self._forgetting.discard(consumer)
-                if consumer in self.held:
-                    self._collected += self.engine.forget(consumer)
-                    self.held = self.held - {consumer}
+        """Forget the peers of the consumers held but not paired with their posted
+        endpoints (gone, failed, or posting others) once none of their prefills is in the
+        engine (exports to them settle first); one paired again meanwhile keeps its peers."""
+        stale = [c for c in self.held if c not in self.paired or c not in self.consumers]
+        if not stale:
+            return
+        busy = set(self.remote.values())
+        for consumer in stale:
+            if consumer not in busy:
+                self.paired.discard(consumer)
+                self._collected += self.engine.forget(consumer)
+                self.held = self.held - {consumer}
 
     # -- remote prefills ---------------------------------------------------------------
 
