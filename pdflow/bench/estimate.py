@@ -179,8 +179,6 @@ class Pricer:
             rank_step = prof.table_rank_step_overhead_s if by_table else prof.rank_step_overhead_s
             if by_table and self.layout() in prof.table_rank_step_by_layout:  # this layout served
                 crowd, rank_step = 1.0, prof.table_rank_step_by_layout[self.layout()]
-            elif by_table and str(inst.tp) in prof.table_rank_step_by_tp:  # measured as served, crowd and all
-                crowd, rank_step = 1.0, prof.table_rank_step_by_tp[str(inst.tp)]
             ranks = prof.rank_message_s + inst.pp * crowd * rank_step
         return (prof.table_step_overhead_s if by_table else prof.step_overhead_s) + ranks + hops
 

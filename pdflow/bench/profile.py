@@ -22,7 +22,7 @@ import platform
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from pdflow.bench.step_table import StepTable, geometry_of
@@ -98,9 +98,6 @@ class MachineProfile:
     table_row_overhead_s: float = 0.0
     table_rank_step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
-    # TP degree -> its rank step work measured as served where ranks outnumber the cores
-    # (their crowding is in it), instead of the TP2 figure scaled by the crowd rule.
-    table_rank_step_by_tp: dict[str, float] = field(default_factory=dict)
     # The part of a served request's cost that grows with its prompt, per prompt token
     # (4 requests at once of 4 and of 128 tokens; what arrives a step late waits a step).
     request_overhead_per_token_s: float = 0.0
@@ -127,6 +124,8 @@ class MachineProfile:
     @classmethod
     def load(cls, path: Path) -> MachineProfile:
         raw = json.loads(path.read_text())
+        known = {f.name for f in fields(cls)}  # a field an older profile kept and this one derives no more
+        raw = {k: v for k, v in raw.items() if k in known}
         raw["step_tables"] = [StepTable.from_dict(t) for t in raw.get("step_tables", [])]
         raw["probes"] = [ServedProbe(**p) for p in raw.get("probes", [])]
         return cls(**raw)
@@ -353,14 +352,11 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     served = {(tp, pp): step_probe(device, tp) if pp == 1 else step_probe(device, tp, pp) for tp, pp in layouts}
     exchange = {tp: step_probe(device, tp, disaggregated=True) for tp in ((1, 4) if layouts else ())}
     two = served.get((2, 1))
-    # more ranks than cores: measured as served rather than scaled from TP2 (a rule that
-    # priced a TP4 step at 45-55 ms where it took ~130)
-    more = {4: served[(4, 1)]} if (4, 1) in served and cores < 4 else {}
     layers = compose_spec(["model=tiny"]).model.layers
     rank_step = max(0.0, two.step_s - one.step_s / 2 - 2 * layers * allreduce) if two else 0.0
-    table_step, table_row, table_rank, request, rank_by_tp, request_per_token = (
-        table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message, more) if one
-        else (0.0, 0.0, 0.0, 0.0, {}, 0.0))
+    table_step, table_row, table_rank, request, request_per_token = (
+        table_overheads(tables[0], cores, layers, one, two, allreduce, rank_message) if one
+        else (0.0, 0.0, 0.0, 0.0, 0.0))
     profile = MachineProfile(
         device="cuda" if device.startswith("cuda") else "cpu", host=platform.node(), cores=cores,
         gemm_flops_s=gemm, gemm_flops_s_one_thread=gemm_one, mem_bytes_s=mem, host_copy_bytes_s=host_copy,
@@ -368,7 +364,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         step_overhead_s=_step_overhead(one.step_s, gemm, mem) if one else 0.0,
         allreduce_s=allreduce, hop_s=hop, rank_step_overhead_s=rank_step, gemm_flops_s_by_dim=by_dim,
         version=VERSION, step_tables=tables, table_step_overhead_s=table_step, table_row_overhead_s=table_row,
-        table_rank_step_overhead_s=table_rank, request_overhead_s=request, table_rank_step_by_tp=rank_by_tp,
+        table_rank_step_overhead_s=table_rank, request_overhead_s=request,
         request_overhead_per_token_s=request_per_token,
         probes=[p for p in (one, *served.values(), *exchange.values()) if p is not None],
     )

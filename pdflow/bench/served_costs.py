@@ -24,9 +24,9 @@ from pdflow.spec.load import compose_spec
 
 
 def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe, two: ServedProbe | None,
-                    allreduce: float, rank_message: float, more: dict[int, ServedProbe] | None = None):
-    """(step, row, rank step, request, rank step by TP degree of ``more``, request per
-    prompt token) overheads: what the served tiny model's steps and first token took beyond
+                    allreduce: float, rank_message: float):
+    """(step, row, TP2 rank step, request, request per prompt token) overheads (a layout
+    served with rank processes has its own step work, ``layout_costs``): what the served tiny model's steps and first token took beyond
     their table-priced compute (and, with rank processes, collectives), >= 0."""
     def compute(tp: int, tokens: int, rows: int, context: int) -> float:
         """As the estimate prices it: ranks beyond the cores take turns (``Pricer._stage_s``)."""
@@ -64,8 +64,7 @@ def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe,
         served = (probe.step_s + probe.batch_step_s) / 2 if probe.batch_step_s > 0 else probe.step_s
         return max(0.0, served - step - rank_message - 2 * layers * allreduce - compute(tp, 1, 1, probe.context))
 
-    return (step, row, rank_step(two, 2), request, {str(tp): rank_step(p, tp) for tp, p in (more or {}).items()},
-            per_token)
+    return step, row, rank_step(two, 2), request, per_token
 
 
 def probe_overrides(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> list[str]:
