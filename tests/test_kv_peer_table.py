@@ -7,10 +7,8 @@ its pairs and leaves the others'."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from transfer_kit import caches_for, producer_caches_of, wrong_units
+from transfer_kit import caches_for, producer_caches_of, sessions_end, wrong_units
 
 from pdflow.graph import CONSUMER, PRODUCER
 from pdflow.parallel.messages import KVExport
@@ -125,16 +123,6 @@ def test_pairing_a_consumer_again_replaces_only_its_peers(two_consumers):
     assert wrong_units(graph, sources, consumers["d1"].caches, [REQUESTS["d1"][0]]) == []
 
 
-def _sessions_end(consumer: Consumer, timeout_s: float = 30.0) -> bool:
-    """Whether every rank's listener of ``consumer`` has no pair session left (bounded wait)."""
-    deadline = time.monotonic() + timeout_s
-    while any(link.listener._sessions for link in consumer.links):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_forgetting_a_consumer_closes_only_its_peers(two_consumers):
     """A consumer that stopped leaves the table, and its pairs close (each consumer rank's
     session ends); the other consumer's peers stay and still land. Without ``forget``'s
@@ -147,7 +135,7 @@ def test_forgetting_a_consumer_closes_only_its_peers(two_consumers):
     assert producer.forget("d1") and not producer.forget("d1")
     assert producer.consumers == {"d0": kept}
     assert all(peer.conn.sock.fileno() == -1 for peer in gone.p2p.values())  # the producer's ends closed
-    assert _sessions_end(consumers["d1"])  # and the consumer's ranks saw them go
+    assert sessions_end(link.listener for link in consumers["d1"].links)  # and the consumer's ranks saw them go
     assert all(len(link.listener._sessions) == 1 for link in consumers["d0"].links)
     with pytest.raises(TransferError, match="has not paired with consumer 'd1'"):
         producer.send(0, _export("d1", consumers["d1"], 0, *REQUESTS["d1"][0]))

@@ -6,25 +6,14 @@ dropped with it: the request stayed in ``SENDING_KV``, its blocks held, for good
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_pd_async_export import BASE, _admit, _decode, _monolithic, _prompts
+from transfer_kit import sessions_end
 
 from pdflow import Deployment, compose
 from pdflow.worker import faults
 
 pytestmark = pytest.mark.slow
-
-
-def _ended(listener, timeout_s: float = 30.0) -> bool:
-    """Whether the consumer rank's listener has no pair session left (bounded wait)."""
-    deadline = time.monotonic() + timeout_s
-    while listener._sessions:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _land(producer, limit: int = 200) -> list:
@@ -59,7 +48,7 @@ def test_forgetting_the_consumer_settles_the_export_in_flight_closes_the_pair_an
         assert producer.forget("") == []  # the export settles before the pair closes
         if len(ranks) == 1:
             assert link.consumers == {} and peer.conn.sock.fileno() == -1
-        assert _ended(listener)  # the consumer rank saw every pair go
+        assert sessions_end([listener])  # the consumer rank saw every pair go
         assert not producer.instance.forget("")  # nothing held any more
         firsts = _land(producer)  # the report of the export that settled at the close
         assert [o.request_id for o in firsts] == ["a"] and firsts[0].kv_error is None

@@ -5,6 +5,7 @@ poison, and a tensor-level oracle of the head cut."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -132,3 +133,13 @@ PAIRING = pairing_token(KEY)
 
 def send(peer, src_blocks, dst_blocks, request_id: str = "r") -> None:
     peer.send(src_blocks, dst_blocks, request_id, kv_nonce(KEY, dst_blocks))
+
+
+def sessions_end(listeners, timeout_s: float = 30.0) -> bool:
+    """Whether every consumer rank's listener has no pair session left (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while any(listener._sessions for listener in listeners):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
