@@ -200,3 +200,22 @@ def test_gpu_points_stop_at_the_models_positions():
     assert tiny["batches"] == GPU_POINTS["batches"]
     assert points_within(GPU_POINTS, 40960) == GPU_POINTS
     assert points_within({"prefill": (8192,), "batches": (1,), "contexts": (8192,)}, 4096)["prefill"] == (4096,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_tiny_models_layer_is_timed_graphed_on_a_gpu():
+    """The graphed pieces replay over tensors their capture closed over: freed early, the
+    replayed KV write used slots overwritten by other tensors (an illegal address)."""
+    import torch
+
+    from pdflow.bench.step_timing import measure_step_table
+
+    def quick(fn, *, sync, min_s, rounds):
+        return _timed(fn, sync=sync, min_s=0.001, rounds=1)
+
+    table = measure_step_table(["model=tiny"], "cuda", (1,), 1, quick)
+    torch.cuda.synchronize()
+    (shard,) = table.shards
+    assert all(v > 0 for v in [*shard.dense_s.values(), *shard.head_s.values()])
+    assert all(v >= 0 for v in shard.prefill_attention_s.values())

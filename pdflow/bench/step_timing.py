@@ -174,7 +174,15 @@ def graphed(fn, dev):
     except RuntimeError as err:  # priced eagerly, and said so: the table is then high
         print(f"pdflow profile: a step piece did not capture ({err}); timed eagerly", flush=True)
         return fn
-    return graph.replay
+
+    def replay():
+        """The graph reads and writes the tensors ``fn`` closes over: holding ``fn`` keeps
+        them from the allocator (freed, a replay wrote KV at slots that were now another
+        tensor's floats: an illegal address on the H200)."""
+        graph.replay()
+        return fn
+
+    return replay
 
 
 def _prefill_meta(tokens: int, bs: int, dev):

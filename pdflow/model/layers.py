@@ -8,6 +8,9 @@ rank's slice of a full checkpoint tensor, so TP slots in by passing ``tp_rank`` 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +40,30 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
 
     dist.all_reduce(x, group=_TP_GROUP)
     return x
+
+
+SMALL_M_ENV = "PDFLOW_SMALL_M_LINEAR"
+
+
+@functools.cache
+def _small_m_linear():
+    """``kernels.small_m_linear`` (None when ``PDFLOW_SMALL_M_LINEAR=0``), imported on first use."""
+    if os.environ.get(SMALL_M_ENV, "1").strip() == "0":
+        return None
+    import pdflow.kernels.small_m_linear as small_m
+
+    return small_m
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except fp32 CUDA products of 2-16 rows (a drafted step's verify and
+    block), which cuBLAS runs on a slow SIMT GEMM: those go to an exact-fp32 Triton kernel.
+    One row keeps cuBLAS's gemv; CPU and 16-bit dtypes are untouched."""
+    if x.is_cuda and x.dtype == torch.float32 and weight.stride(-1) == 1 and x.shape[-1]:
+        kernel = _small_m_linear()
+        if kernel is not None and 1 < x.numel() // x.shape[-1] <= kernel.MAX_ROWS:
+            return kernel.small_m_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +112,7 @@ class ShardedLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(ShardedLinear):
@@ -156,8 +183,8 @@ class RowParallelLinear(ShardedLinear):
 
     def forward(self, x):
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = _all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = _all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -189,7 +216,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over a vocabulary slice; logits gathered to full vocab on every rank."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         import torch.distributed as dist

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pdflow.graph.units import UnitSpec
-from pdflow.model.layers import RMSNorm
+from pdflow.model.layers import RMSNorm, linear
 from pdflow.spec_decode.config import DrafterConfig
 from pdflow.spec_decode.drafter import ContextBatch, Drafter, Proposal, ProposeBatch
 from pdflow.spec_decode.layers import DraftLayer, dense_attention, rotary
@@ -45,7 +45,7 @@ class DSparkDrafter(Drafter):
 
     def context_features(self, features: torch.Tensor) -> torch.Tensor:
         """[..., taps * hidden] -> [..., hidden]."""
-        return self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.context_norm(linear(features.to(self.fc.weight.dtype), self.fc.weight))
 
     def block_inputs(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[..., k, hidden]: the anchor's embedding, then the mask embedding."""

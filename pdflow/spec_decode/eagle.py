@@ -22,7 +22,7 @@ from torch import nn
 
 from pdflow.graph.refusals import Code
 from pdflow.graph.units import UnitSpec
-from pdflow.model.layers import RMSNorm
+from pdflow.model.layers import RMSNorm, linear
 from pdflow.spec_decode.config import DrafterConfig
 from pdflow.spec_decode.drafter import ContextBatch, Drafter, Proposal, ProposeBatch
 from pdflow.spec_decode.layers import DraftLayer, dense_attention, rotary
@@ -59,10 +59,10 @@ class ChainDrafter(Drafter):
     def target_feature(self, features: torch.Tensor) -> torch.Tensor:
         """[..., feature_size] target features -> [..., hidden] chain feature."""
         features = features.to(self.fc.weight.dtype)
-        return features if self.fuse is None else self.fuse(features)
+        return features if self.fuse is None else linear(features, self.fuse.weight)
 
     def entry_inputs(self, next_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.embed(next_ids).to(feature.dtype), feature], dim=-1))
+        return linear(torch.cat([self.embed(next_ids).to(feature.dtype), feature], dim=-1), self.fc.weight)
 
     # -- serving (paged) ---------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from pdflow.model.config import DecoderConfig
 from pdflow.model.decoder import MLP
-from pdflow.model.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
+from pdflow.model.layers import QKVParallelLinear, RMSNorm, RowParallelLinear, linear
 from pdflow.model.rope import RotaryEmbedding
 
 
@@ -65,7 +65,7 @@ class DraftLayer(nn.Module):
         q_rows = a.num_heads * d
         weight = a.qkv_proj.weight[q_rows:]
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias[q_rows:]
-        k, v = F.linear(h, weight, bias).split([a.num_kv_heads * d] * 2, dim=-1)
+        k, v = linear(h, weight, bias).split([a.num_kv_heads * d] * 2, dim=-1)
         k, v = k.reshape(n, -1, d), v.reshape(n, -1, d)
         if a.k_norm is not None:
             k = a.k_norm(k)
