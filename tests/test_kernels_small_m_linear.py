@@ -78,7 +78,7 @@ def test_a_tf32_version_would_be_caught():
 @gpu
 def test_linear_sends_small_fp32_cuda_products_to_the_kernel_and_one_row_to_cublas():
     g = torch.Generator().manual_seed(13)
-    w = torch.randn(256, 128, generator=g).cuda()
+    w = torch.randn(256, 128, generator=g).cuda()  # K 128: within MAX_K
     x8 = torch.randn(8, 128, generator=g).cuda()
     assert torch.equal(linear(x8, w), small_m_linear(x8, w))
     x1 = x8[:1].contiguous()
