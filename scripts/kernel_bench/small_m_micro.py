@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from pdflow.kernels.small_m_linear import small_m_linear, small_m_linear_reference
 
 
