@@ -33,19 +33,22 @@ def graph_us(fn, calls: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (20 * calls)
 
 
+def shape_row(rows: int, n: int, k: int) -> str:
+    x, w = torch.randn(rows, k, device="cuda"), torch.randn(n, k, device="cuda")
+    ref = small_m_linear_reference(x, w)
+    row = [f"rows {rows} n {n} k {k}: cublas {graph_us(lambda: F.linear(x, w)):.1f} us"]
+    for variant in ("dot", "rows", "bcast"):
+        err = (small_m_linear(x, w, variant=variant) - ref).abs().max().item()
+        row.append(f"{variant} {graph_us(lambda v=variant: small_m_linear(x, w, variant=v)):.1f} us (err {err:.1e})")
+    x1 = x[:1].contiguous()
+    row.append(f"1-row gemv {graph_us(lambda: F.linear(x1, w)):.1f} us")
+    return ", ".join(row)
+
+
 def main() -> None:
     for rows, n, k in [(8, 1024, 256), (8, 256, 1024), (8, 768, 256), (8, 256, 256), (8, 512, 256),
                        (8, 128, 256), (16, 1024, 256), (8, 3072, 1024), (8, 1024, 3072)]:
-        x, w = torch.randn(rows, k, device="cuda"), torch.randn(n, k, device="cuda")
-        ref = small_m_linear_reference(x, w)
-        row = [f"rows {rows} n {n} k {k}: cublas {graph_us(lambda: F.linear(x, w)):.1f} us"]
-        for variant in ("dot", "rows", "bcast"):
-            err = (small_m_linear(x, w, variant=variant) - ref).abs().max().item()
-            row.append(f"{variant} {graph_us(lambda v=variant: small_m_linear(x, w, variant=v)):.1f} us "
-                       f"(err {err:.1e})")
-        x1 = x[:1].contiguous()
-        row.append(f"1-row gemv {graph_us(lambda: F.linear(x1, w)):.1f} us")
-        print(", ".join(row), flush=True)
+        print(shape_row(rows, n, k), flush=True)
 
 
 if __name__ == "__main__":
