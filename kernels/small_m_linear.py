@@ -1,12 +1,12 @@
 """fp32 ``x @ w.T (+ b)`` for a handful of rows, in exact fp32 (no TF32).
 
 A drafted decode step in fp32 multiplies 2-16 rows (the verify's k+1 tokens, the drafter's
-block) by each weight. cuBLAS sends that shape to a SIMT fp32 GEMM that took ~32 us per
-call on an H200 (22 per drafted step, 0.70 of its 1.50 ms: bench/RESULTS.md, "Where a
-drafted step's time goes"), while one row takes its 3 us gemv path. Here the weight is
-read once, in column tiles spread over the SMs, and the rows are multiplied by fp32 FMA
-(``input_precision="ieee"``): the same products as ``F.linear`` in another order, so
-greedy tokens keep the tolerance the lossless tests give any two fp32 GEMMs.
+block) by each weight. cuBLAS sends many such shapes to a SIMT fp32 GEMM that took ~31 us
+per call on an H200 (22 per drafted step, 0.70 of its 1.50 ms: bench/RESULTS.md, "Where a
+drafted step's time goes"), while one row takes its 3 us gemv path. Here each program
+keeps a 16-column weight tile in registers and reduces every row against it by fp32 FMA
+(no dot, so no TF32): the same products as ``F.linear`` in another order, so greedy tokens
+keep the tolerance the lossless tests give any two fp32 GEMMs.
 """
 
 from __future__ import annotations
@@ -15,35 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "MAX_K", "small_m_linear", "small_m_linear_reference"]
+__all__ = ["MAX_ROWS", "small_m_linear", "small_m_linear_reference", "wins"]
 
-# Where it beats cuBLAS (scripts/kernel_bench/small_m_micro.py, one H200, in CUDA graphs):
-# K 256, 8 rows: ~5 us against cuBLAS's 25-52 us at N 128-768 (2.9 us at N 1024); K 1024:
-# 14-19 us against 7-9 us. So rows 2..MAX_ROWS and K <= MAX_K.
+# Where it beats cuBLAS (scripts/kernel_bench/small_m_micro.py, one H200, in CUDA graphs,
+# 8 rows): 4.8-4.9 us against cuBLAS's 24-52 us at N 128-768 x K 256, 11.4 against 30.7 us
+# at N 256 x K 768; cuBLAS wins from N 1024 (2.9-4.3 us at K 256-512) and at K 1024 (7 us).
 MAX_ROWS = 16
-MAX_K = 512
+MAX_K = 768
+MAX_N = 1023
 
 
-@triton.jit
-def _small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, s_x, s_w, s_o,
-                           N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr):
-    """tl.dot over [16, BLOCK_N] tiles (``PRECISION`` "ieee": FMA, no TF32)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        x = tl.load(x_ptr + m[:, None] * s_x + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < K),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * s_w + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K),
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    tl.store(out_ptr + m[:, None] * s_o + cols[None, :], acc, mask=(m[:, None] < rows) & (cols[None, :] < N))
+def wins(rows: int, n: int, k: int) -> bool:
+    """Whether this kernel, not cuBLAS, should take an fp32 product of this shape."""
+    return 1 < rows <= MAX_ROWS and n <= MAX_N and k <= MAX_K
 
 
 @triton.jit
@@ -67,32 +51,9 @@ def _small_m_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, s_x, s_w, s_o,
             tl.store(out_ptr + m * s_o + cols, acc + bias, mask=cols < N)
 
 
-@triton.jit
-def _small_m_bcast_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, s_x, s_w, s_o,
-                          N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """No dot: [rows, cols, K-chunk] products summed over the chunk (fp32 FMA)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        x = tl.load(x_ptr + m[:, None] * s_x + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < K),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * s_w + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K),
-                    other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    tl.store(out_ptr + m[:, None] * s_o + cols[None, :], acc, mask=(m[:, None] < rows) & (cols[None, :] < N))
-
-
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   precision: str = "ieee", variant: str = "rows") -> torch.Tensor:
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for fp32 ``x [..., K]`` with at most ``MAX_ROWS`` rows and ``weight
-    [N, K]`` (rows contiguous). ``precision`` other than "ieee" exists for the test that
-    shows a TF32 version would be caught."""
+    [N, K]`` (rows contiguous)."""
     n, k_dim = weight.shape
     assert x.dtype == weight.dtype == torch.float32 and x.shape[-1] == k_dim and weight.stride(1) == 1
     flat = x.reshape(-1, k_dim)
@@ -101,24 +62,12 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = flat.shape[0]
     assert rows <= MAX_ROWS, f"{rows} rows: small_m_linear takes at most {MAX_ROWS}"
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-    if rows and variant == "rows":
+    if rows:
         block_k = min(256, max(16, triton.next_power_of_2(k_dim)))
         _small_m_rows_kernel[(triton.cdiv(n, 16),)](
             flat, weight, bias if bias is not None else weight, out, rows, flat.stride(0), weight.stride(0),
             out.stride(0), N=n, K=k_dim, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows),
             BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
-    elif rows and variant == "bcast":
-        _small_m_bcast_kernel[(triton.cdiv(n, 16),)](
-            flat, weight, bias if bias is not None else weight, out, rows, flat.stride(0), weight.stride(0),
-            out.stride(0), N=n, K=k_dim, HAS_BIAS=bias is not None, BLOCK_M=max(2, triton.next_power_of_2(rows)),
-            BLOCK_N=16, BLOCK_K=min(64, max(16, triton.next_power_of_2(k_dim))), num_warps=4)
-    elif rows:
-        block_n = 16 if n <= 4096 else 32
-        _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
-            flat, weight, bias if bias is not None else weight, out, rows, flat.stride(0), weight.stride(0),
-            out.stride(0), N=n, K=k_dim, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=min(64, max(16, triton.next_power_of_2(k_dim))), PRECISION=precision,
-            num_warps=4, num_stages=3)
     return out.reshape(*x.shape[:-1], n)
 
 

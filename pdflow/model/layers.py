@@ -56,13 +56,13 @@ def _small_m_linear():
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except fp32 CUDA products of 2-16 rows over at most 512 inputs (a
-    drafted step's verify and block), which cuBLAS often runs on a slow SIMT GEMM: those go
+    """``F.linear``, except fp32 CUDA products of 2-16 rows (a drafted step's verify and
+    block) of the shapes cuBLAS runs on a slow SIMT GEMM (``small_m_linear.wins``): those go
     to an exact-fp32 Triton kernel. One row keeps cuBLAS's gemv; CPU and 16-bit dtypes are
     untouched."""
     if x.is_cuda and x.dtype == torch.float32 and weight.stride(-1) == 1 and x.shape[-1]:
         kernel = _small_m_linear()
-        if kernel is not None and x.shape[-1] <= kernel.MAX_K and 1 < x.numel() // x.shape[-1] <= kernel.MAX_ROWS:
+        if kernel is not None and kernel.wins(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1]):
             return kernel.small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
