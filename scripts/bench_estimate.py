@@ -103,7 +103,7 @@ def estimate_point(overrides: list[str], profile, args) -> dict:
     role = CONSUMER if graph.producer is None else PRODUCER
     _, prefill = Pricer(graph=graph, profile=profile, role=role).prefill(args.prompt, args.concurrency)
     step = Pricer(graph=graph, profile=profile, role=CONSUMER).step_s(args.concurrency, 16 + args.output // 2,
-                                                                       args.concurrency)
+                                                                       args.concurrency, stream=True)
     depth = Pricer(graph=graph, profile=profile, role=CONSUMER).depth(args.concurrency)
     return {"prefill_tok_s": prefill, "decode_tok_s": args.concurrency * tokens_per_forward(graph) * depth / step}
 

@@ -10,12 +10,12 @@ import math
 from dataclasses import asdict
 
 import pytest
-from estimate_kit import tiny_profile
+from estimate_kit import flat_shard, tiny_profile
 
 from pdflow.bench import estimate as estimate_mod
 from pdflow.bench.estimate import Pricer
 from pdflow.bench.profile import MachineProfile, _timed
-from pdflow.bench.step_table import ShardTimes, decode_at, interpolate
+from pdflow.bench.step_table import ShardTimes, StepTable, decode_at, geometry_of, interpolate
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.spec.load import compose_spec
 
@@ -219,3 +219,31 @@ def test_the_tiny_models_layer_is_timed_graphed_on_a_gpu():
     (shard,) = table.shards
     assert all(v > 0 for v in [*shard.dense_s.values(), *shard.head_s.values()])
     assert all(v >= 0 for v in shard.prefill_attention_s.values())
+
+
+def _cuda_profile(layer: float, **kw):
+    model = compose_spec(["model=tiny"]).model
+    table = StepTable(model="tiny", geometry=geometry_of(model, "cuda"), shards=[flat_shard(1, 16, layer, 5e-4)])
+    return tiny_profile(device="cuda", cores=16, step_tables=[table], table_row_overhead_s=1e-3,
+                        transfer_latency_s={"nccl": 1e-5}, transfer_bytes_s={"nccl": 1e11}, **kw)
+
+
+def test_an_overlapped_gpu_side_prices_a_stream_of_steps_at_the_larger_of_host_and_device():
+    """Overlap scheduling (a one-rank CUDA side without a drafter) builds step N+1 while
+    the device runs step N: a stream of steps costs the larger of the two, a lone step
+    both. Summed, a Qwen3-0.6B decode on one H200 was priced at 0.59x served."""
+    cuda = ("mode=monolithic", "decode=tp1", "decode.device=cuda", "prefill.device=cuda")
+    host = 0.01 + 3 * 1e-3  # the step overhead and three rows beyond the first
+    light = Pricer(graph=_graph(*cuda), profile=_cuda_profile(1e-3), role=CONSUMER)
+    assert light.overlapped()
+    device = 8 * 1e-3 + 5e-4
+    assert light.step_s(4, 100, 4, stream=True) == pytest.approx(host)  # host-bound
+    assert light.step_s(4, 100, 4) == pytest.approx(host + device)  # alone: both
+    heavy = Pricer(graph=_graph(*cuda), profile=_cuda_profile(5e-3), role=CONSUMER)
+    assert heavy.step_s(4, 100, 4, stream=True) == pytest.approx(8 * 5e-3 + 5e-4)  # device-bound
+    off = Pricer(graph=_graph(*cuda, "decode.overlap_scheduling=false"), profile=_cuda_profile(1e-3), role=CONSUMER)
+    assert not off.overlapped() and off.step_s(4, 100, 4, stream=True) == pytest.approx(host + device)
+    # prefill at load: four 128-token prompts a step, their requests' host work beside the step's
+    served = Pricer(graph=_graph(*cuda), profile=_cuda_profile(1e-3, request_overhead_s=2e-3), role=CONSUMER)
+    _, tok_s = served.prefill(128, 4)
+    assert tok_s == pytest.approx(512 / max(host + 4 * 2e-3, device))

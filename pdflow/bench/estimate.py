@@ -11,7 +11,10 @@ layer; a step adds the pipeline hops, the engine's per-step host overhead and, w
 side has rank processes, one owner <-> rank message and each stage's measured per-step
 rank work (its layout's as served where the profile served it), and a prefill step the
 layout's measured cost per token. A served request adds its measured serving cost (HTTP, admission, stream) to
-its TTFT and to a prefill step per request. Nothing here places or lays out anything:
+its TTFT and to a prefill step per request. On a side with overlap scheduling (one CUDA
+rank, no drafter) the host builds the next step while the device runs this one, so a
+stream of steps (decode, prefill at load) costs the larger of its host and device work; a
+lone step (TTFT at zero load) pays both. Nothing here places or lays out anything:
 every shape is asked of the graph.
 
 Goodput: a request of mean prompt ``L`` and output ``O`` needs its TTFT at zero load
@@ -29,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdflow.bench.profile import MachineProfile, layout_key
 from pdflow.bench.step_table import ShardTimes, interpolate
-from pdflow.graph import CONSUMER, PRODUCER, RunGraph, parallel_of
+from pdflow.graph import CONSUMER, PRODUCER, RunGraph, overlap_scheduling, parallel_of
 from pdflow.spec import SloSpec
 from pdflow.spec.dtypes import dtype_bytes
 
@@ -210,15 +213,27 @@ class Pricer:
         lo = pairs[pairs.index(hi) - 1]
         return max(0.0, by[lo] + (by[hi] - by[lo]) * (n - lo) / (hi - lo))
 
-    def step_s(self, tokens: int, context: int, rows: int) -> float:
-        """One step's latency: every stage in turn, and (table-priced, a side without
-        rank processes) each row's own host cost beyond the first; with rank processes
-        the owner's per-row work overlaps their compute (measured: 4 streams cost no
-        more than 1 under TP2)."""
+    def overlapped(self) -> bool:
+        """Whether this side runs overlap scheduling (``pdflow.graph.overlap``): in a stream
+        of steps the host builds the next while the device runs this one."""
+        return overlap_scheduling(self.graph.spec, self.role)
+
+    def host_s(self, rows: int) -> float:
+        """A step's host work: the engine's step overhead (and, table-priced without rank
+        processes, each row's beyond the first; with rank processes the owner's per-row
+        work overlaps their compute: measured, 4 streams cost no more than 1 under TP2)."""
         inst = self.graph.instance(self.role)
         in_process = inst.tp * inst.pp == 1 and self.shard() is not None
-        rows_s = (max(1, rows) - 1) * self.profile.table_row_overhead_s if in_process else 0.0
-        return self.overhead_s() + rows_s + sum(self.stage_times(tokens, context, rows))
+        return self.overhead_s() + ((max(1, rows) - 1) * self.profile.table_row_overhead_s if in_process else 0.0)
+
+    def step_s(self, tokens: int, context: int, rows: int, *, stream: bool = False) -> float:
+        """One step: its host work, then every stage in turn. ``stream``: a step among
+        others (decode, a prefill at load), where an overlapped side's host work hides
+        behind the device's (the larger of the two); a lone step pays both."""
+        device = sum(self.stage_times(tokens, context, rows))
+        if stream and self.overlapped():
+            return max(self.host_s(rows), device)
+        return self.host_s(rows) + device
 
     def depth(self, batch: int) -> int:
         """Decode steps in flight at once: the engine splits a batch across up to one step
@@ -243,6 +258,9 @@ class Pricer:
         rows = max(1, tokens // length)
         depth = self.depth(self.graph.instance(self.role).pp)
         busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
+        if self.overlapped():  # the requests' host work, with the step's, behind the device's
+            per_step = max(self.host_s(rows) + rows * request, sum(self.stage_times(tokens, chunk // 2 + 1, rows)))
+            return alone, tokens / per_step
         per_step = (max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
                     + tokens * self.prefill_token_s())
         per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
@@ -322,7 +340,7 @@ def estimate(graph: RunGraph, profile: MachineProfile, *, slo: SloSpec | None = 
         ttft[n] = alone + moved[n]
     batches = sorted({b for b in BATCHES if b <= spec.decode.max_num_seqs} | {1})
     context = input_len + output_len // 2
-    step = {b: decode.step_s(b * (k + 1), context, b) for b in batches}
+    step = {b: decode.step_s(b * (k + 1), context, b, stream=True) for b in batches}
     out = Estimate(
         devices=devices_of(graph),
         pool_blocks={role: b.pool_blocks for role, b in graph.budgets.items()},
@@ -347,7 +365,7 @@ def _goodput(out: Estimate, graph: RunGraph, decode: Pricer, prefill: Pricer, sl
     context = length + output // 2
     best, best_tpot = 0, 0.0
     for b in range(1, fit + 1):
-        tpot = decode.step_s(b * (k + 1), context, b) / tpf
+        tpot = decode.step_s(b * (k + 1), context, b, stream=True) / tpf
         if slo.tpot_s is not None and tpot > slo.tpot_s:
             break
         best, best_tpot = b, tpot
