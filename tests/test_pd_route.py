@@ -151,7 +151,7 @@ def test_a_monolithic_backend_refuses_a_route_and_serves_on():
     finally:
         loop.stop()
         llm.shutdown()
-    assert refused.error_status == 400 and "cannot take a P/D route" in refused.error
+    assert refused.error_status == 400 and "cannot take a P/D route" in refused.error and refused.error_param is None
     assert served.error is None and served.finish_reason == "length"
 
 
@@ -171,3 +171,4 @@ def test_the_engine_cores_client_refuses_a_route_without_sending_it():
 
     event, streams = asyncio.run(main())
     assert event.error_status == 400 and "cannot take a P/D route" in event.error and streams == {}
+    assert event.error_param is None

@@ -208,3 +208,24 @@ def test_a_decode_hosts_route_of_reads_the_routers_header_onto_each_choices_tick
     plain = ScriptedBackend()  # a host without route_of ignores the header
     r = httpx.post(scripted_server(plain) + "/v1/completions", json=body, headers={PREFILL_HEADER: "http://x"})
     assert r.status_code == 200 and plain.routes == [None]
+
+
+def test_a_refused_route_is_a_400_about_no_body_field_and_a_refused_prompt_names_prompt(scripted_server):
+    """A route comes from the router's header, not the body: its refusal's error names no
+    ``param`` (it once said "prompt"); a prompt the backend refuses still does."""
+    from pdflow.serve.pd_decode import prefill_route
+    from pdflow.serve.pd_wire import PREFILL_HEADER, RouteRefused
+
+    class NoRoutes(ScriptedBackend):
+        def add(self, prompt_token_ids, sampling, *, route=None):
+            if route is not None:
+                raise RouteRefused("this backend serves every request whole")
+            return super().add(prompt_token_ids, sampling, route=route)
+
+    url = scripted_server(NoRoutes(), route_of=prefill_route)
+    body = {"model": "script", "prompt": [1], "max_tokens": 2}
+    r = httpx.post(url + "/v1/completions", json=body, headers={PREFILL_HEADER: "http://127.0.0.1:9/"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None and "whole" in error["message"]
+    r = httpx.post(url + "/v1/completions", json=body | {"prompt": list(range(60))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

@@ -127,7 +127,7 @@ def test_the_wire_carries_every_event_field_by_name():
     assert to_event(delta, "xy") == StreamEvent(token_ids=[3, 4], text="xy", finish_reason="length", retry_after_s=2)
     # Every field away from its default, so one that to_delta or to_event skips shows.
     full = StreamEvent(token_ids=[1], text="t", finish_reason="stop", draft=DraftStats(drafted=3, accepted=2,
-                       verify_steps=1), error="e", error_status=502, retry_after_s=4, logprobs=[-0.5],
+                       verify_steps=1), error="e", error_status=502, error_param="prompt", retry_after_s=4, logprobs=[-0.5],
                        top_logprobs=[[(1, -0.5)]], prompt_logprobs=[-1.0], prompt_top_logprobs=[[(2, -1.0)]],
                        num_cached_tokens=16)
     defaults = StreamEvent()

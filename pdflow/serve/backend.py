@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.serve.pd_wire import RouteRefused
 
 if TYPE_CHECKING:
     from pdflow.serve.pd_wire import PDRoute
@@ -138,7 +139,7 @@ class LLMBackend:
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
         if route is not None:
-            raise ValueError(f"this server serves every request whole ({type(self.llm).__name__}); it cannot "
+            raise RouteRefused(f"this server serves every request whole ({type(self.llm).__name__}); it cannot "
                              f"take a P/D route ({route.prefill_at or 'a remote prefill'}): start P/D "
                              "instances with serve.role=prefill|decode behind a router")
         return self.llm.submit([prompt_token_ids], sampling)[0]

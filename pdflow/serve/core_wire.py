@@ -74,6 +74,7 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     draft: DraftStats | None = None
     error: str | None = None
     error_status: int = 500
+    error_param: str | None = None
     retry_after_s: int | None = None
     logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -99,7 +100,8 @@ front_decoder = msgspec.msgpack.Decoder(ToFront)
 def to_delta(rid: str, event: StreamEvent) -> Delta:
     """Field by field, spelled out: this runs once per token per request in the core."""
     return Delta(rid=rid, token_ids=event.token_ids, finish_reason=event.finish_reason, draft=event.draft,
-                 error=event.error, error_status=event.error_status, retry_after_s=event.retry_after_s,
+                 error=event.error, error_status=event.error_status, error_param=event.error_param,
+                 retry_after_s=event.retry_after_s,
                  logprobs=event.logprobs, top_logprobs=event.top_logprobs, prompt_logprobs=event.prompt_logprobs,
                  prompt_top_logprobs=event.prompt_top_logprobs, num_cached_tokens=event.num_cached_tokens)
 
@@ -107,7 +109,8 @@ def to_delta(rid: str, event: StreamEvent) -> Delta:
 def to_event(delta: Delta, text: str) -> StreamEvent:
     """The inverse of ``to_delta`` (once per token per request in a front)."""
     return StreamEvent(text=text, token_ids=delta.token_ids, finish_reason=delta.finish_reason, draft=delta.draft,
-                       error=delta.error, error_status=delta.error_status, retry_after_s=delta.retry_after_s,
+                       error=delta.error, error_status=delta.error_status, error_param=delta.error_param,
+                       retry_after_s=delta.retry_after_s,
                        logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
                        prompt_logprobs=delta.prompt_logprobs, prompt_top_logprobs=delta.prompt_top_logprobs,
                        num_cached_tokens=delta.num_cached_tokens)

@@ -43,6 +43,7 @@ from pdflow.serve.pd_wire import (
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
+    RouteRefused,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 
@@ -84,7 +85,7 @@ class DecodeBackend(EngineFacts):
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
         if route is not None and route.prefill_at is None:
-            raise ValueError("a decode instance has its prompts prefilled at a producer (PDRoute.prefill_at); "
+            raise RouteRefused("a decode instance has its prompts prefilled at a producer (PDRoute.prefill_at); "
                              "it takes no remote prefill (PDRoute.remote: a prefill instance's)")
         rid = f"r{next(self._ids)}"
         if route is None:  # no router header: prefilled here

@@ -37,6 +37,7 @@ from pdflow.serve.pd_wire import (
     PDRoute,
     PrefillAnswer,
     RemotePrefill,
+    RouteRefused,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.transfer.errors import PairingRefused
@@ -71,7 +72,7 @@ class PrefillBackend(EngineFacts):
 
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams, *, route: PDRoute | None = None) -> str:
         if route is not None and route.remote is None:
-            raise ValueError("a prefill instance prefills for consumers (PDRoute.remote); it sends no prompt "
+            raise RouteRefused("a prefill instance prefills for consumers (PDRoute.remote); it sends no prompt "
                              "to another producer (PDRoute.prefill_at: a decode instance's)")
         rid = f"p{next(self._ids)}"
         if route is not None:

@@ -68,6 +68,11 @@ class PrefillAnswer(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class RouteRefused(ValueError):
+    """A backend cannot take a request's P/D route (not its prompt: the API's 400 names no
+    body parameter)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PDRoute:
     """A request's part in a P/D exchange between separate instances, carried on its ticket

@@ -18,6 +18,7 @@ from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.serve.admission import Admission, AdmissionPolicy
 from pdflow.serve.backend import DraftStats, ServingBackend
+from pdflow.serve.pd_wire import RouteRefused
 
 if TYPE_CHECKING:
     from pdflow.serve.pd_wire import PDRoute
@@ -36,6 +37,7 @@ class StreamEvent:
     draft: DraftStats | None = None
     error: str | None = None
     error_status: int = 500
+    error_param: str | None = None  # the request body's field a 400 is about, if one
     retry_after_s: int | None = None
     # Per token: its logprob, and its top logprobs when the request asked. A request's
     # first event also carries its prompt logprobs (when asked) and its prompt tokens
@@ -165,7 +167,8 @@ class ServingCore:
             ticket.admitted_at = time.monotonic()
         except ValueError as exc:
             self.admission.release(ticket)
-            event = StreamEvent(error=str(exc), error_status=400)
+            event = StreamEvent(error=str(exc), error_status=400,
+                                error_param=None if isinstance(exc, RouteRefused) else "prompt")
             self._on_finish(ticket, event)
             ticket.deliver(event)
             return
