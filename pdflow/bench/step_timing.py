@@ -220,8 +220,8 @@ def _head_s(model, rows: int, tp: int, cfg, dev, dtype, fused: bool, sync, timed
     """Final norm, this rank's slice of the LM head, greedy sampling over the full
     vocabulary (the slices side by side stand in for the gathered logits)."""
     import torch
-    import torch.nn.functional as F
 
+    from pdflow.model.layers import linear
     from pdflow.parallel.messages import SamplingSpec
     from pdflow.worker.sampler import Sampler
 
@@ -231,7 +231,7 @@ def _head_s(model, rows: int, tp: int, cfg, dev, dtype, fused: bool, sync, timed
 
     def head():
         hidden = model.model.norm(x, residual, fused=fused)[0]
-        logits = F.linear(hidden, model.lm_head.weight)
+        logits = linear(hidden, model.lm_head.weight)  # as served (small fp32 CUDA rows: small_m)
         return sampler(logits.repeat(1, tp) if tp > 1 else logits, params, gens)
 
     with torch.inference_mode():
