@@ -19,7 +19,7 @@ if not torch.cuda.is_available():  # must precede the first triton kernel decora
 
 from pdflow.kernels.small_m_linear import MAX_ROWS, small_m_linear, small_m_linear_reference, wins  # noqa: E402
 
-from pdflow.model.layers import linear  # noqa: E402
+from pdflow.model.layers import Linear, linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -65,6 +65,17 @@ def test_linear_on_cpu_is_torch_bit_for_bit():
     g = torch.Generator().manual_seed(7)
     x, w, b = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_the_linear_module_is_nn_linear_routed_through_linear():
+    """Drafters' unsharded projections: same parameters and state dict as ``nn.Linear`` (their
+    checkpoints load unchanged), the product ``linear``'s (so the bias is kept)."""
+    torch.manual_seed(3)
+    mine, theirs = Linear(24, 12, bias=True), torch.nn.Linear(24, 12, bias=True)
+    theirs.load_state_dict(mine.state_dict())
+    assert set(mine.state_dict()) == {"weight", "bias"}
+    x = torch.randn(8, 24)
+    assert torch.equal(mine(x), theirs(x))
 
 
 @gpu

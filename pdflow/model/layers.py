@@ -67,6 +67,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose product is ``linear``'s: for
+    unsharded projections such as a drafter's feature fusion."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype.
 

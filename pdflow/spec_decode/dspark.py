@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pdflow.graph.units import UnitSpec
-from pdflow.model.layers import RMSNorm, linear
+from pdflow.model.layers import Linear, RMSNorm
 from pdflow.spec_decode.config import DrafterConfig
 from pdflow.spec_decode.drafter import ContextBatch, Drafter, Proposal, ProposeBatch
 from pdflow.spec_decode.layers import DraftLayer, dense_attention, rotary
@@ -36,7 +36,7 @@ class DSparkDrafter(Drafter):
         super().__init__(config, draft_units, tp_rank=tp_rank, tp_size=tp_size)
         dcfg = config.decoder_config()
         h = config.hidden_size
-        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.fc = Linear(config.feature_size, h, bias=False)
         self.context_norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h))
         self.layers = nn.ModuleList(DraftLayer(dcfg, tp_rank, tp_size) for _ in range(config.num_layers))
@@ -45,7 +45,7 @@ class DSparkDrafter(Drafter):
 
     def context_features(self, features: torch.Tensor) -> torch.Tensor:
         """[..., taps * hidden] -> [..., hidden]."""
-        return self.context_norm(linear(features.to(self.fc.weight.dtype), self.fc.weight))
+        return self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def block_inputs(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[..., k, hidden]: the anchor's embedding, then the mask embedding."""

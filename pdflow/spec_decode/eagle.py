@@ -22,7 +22,7 @@ from torch import nn
 
 from pdflow.graph.refusals import Code
 from pdflow.graph.units import UnitSpec
-from pdflow.model.layers import RMSNorm, linear
+from pdflow.model.layers import Linear, RMSNorm
 from pdflow.spec_decode.config import DrafterConfig
 from pdflow.spec_decode.drafter import ContextBatch, Drafter, Proposal, ProposeBatch
 from pdflow.spec_decode.layers import DraftLayer, dense_attention, rotary
@@ -50,8 +50,8 @@ class ChainDrafter(Drafter):
         super().__init__(config, draft_units, tp_rank=tp_rank, tp_size=tp_size)
         dcfg = config.decoder_config()
         h = config.hidden_size
-        self.fuse = nn.Linear(config.feature_size, h, bias=False) if config.tap_layers else None
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fuse = Linear(config.feature_size, h, bias=False) if config.tap_layers else None
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([DraftLayer(dcfg, tp_rank, tp_size)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = rotary(dcfg)
@@ -59,10 +59,10 @@ class ChainDrafter(Drafter):
     def target_feature(self, features: torch.Tensor) -> torch.Tensor:
         """[..., feature_size] target features -> [..., hidden] chain feature."""
         features = features.to(self.fc.weight.dtype)
-        return features if self.fuse is None else linear(features, self.fuse.weight)
+        return features if self.fuse is None else self.fuse(features)
 
     def entry_inputs(self, next_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        return linear(torch.cat([self.embed(next_ids).to(feature.dtype), feature], dim=-1), self.fc.weight)
+        return self.fc(torch.cat([self.embed(next_ids).to(feature.dtype), feature], dim=-1))
 
     # -- serving (paged) ---------------------------------------------------------------
 
