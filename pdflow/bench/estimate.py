@@ -256,14 +256,13 @@ class Pricer:
         alone = request + length * max(0.0, self.prefill_token_s()) + sum(self.step_s(chunk, min(length, (i + 1) * chunk) // 2 + 1, 1) for i in range(chunks))
         tokens = min(length * max(1, concurrent), self.par.max_num_batched_tokens)
         rows = max(1, tokens // length)
-        depth = self.depth(self.graph.instance(self.role).pp)
-        busiest = max(self.stage_times(tokens, chunk // 2 + 1, rows))
+        stages = self.stage_times(tokens, chunk // 2 + 1, rows)
         if self.overlapped():  # the requests' host work, with the step's, behind the device's
-            per_step = max(self.host_s(rows) + rows * request, sum(self.stage_times(tokens, chunk // 2 + 1, rows)))
-            return alone, tokens / per_step
-        per_step = (max(self.step_s(tokens, chunk // 2 + 1, rows) / depth, busiest) + rows * request
+            return alone, tokens / max(self.host_s(rows) + rows * request, sum(stages))
+        depth = self.depth(self.graph.instance(self.role).pp)
+        per_step = (max((self.host_s(rows) + sum(stages)) / depth, max(stages)) + rows * request
                     + tokens * self.prefill_token_s())
-        per_step = max(per_step, busiest)  # a layout's gain stops at its busiest stage's compute
+        per_step = max(per_step, max(stages))  # a layout's gain stops at its busiest stage's compute
         return alone, tokens / per_step
 
 

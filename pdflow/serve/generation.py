@@ -172,7 +172,7 @@ class Generation:
             code = ("server_overloaded" if event.retry_after_s is not None
                     else "engine_error" if event.error_status >= 500 else "invalid_value")
             raise APIError(event.error_status, event.error, code=code,
-                           param=event.error_param if event.error_status == 400 else None,
+                           param=event.error_param,
                            retry_after_s=event.retry_after_s)
         choice.add(event)
         if self.done and self._timer is not None:
