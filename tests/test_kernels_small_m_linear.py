@@ -22,7 +22,11 @@ from pdflow.kernels.small_m_linear import MAX_ROWS, small_m_linear, small_m_line
 from pdflow.model.layers import Linear, linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu(test):
+    """GPU-only: selected by ``pytest -m gpu``, skipped without a device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 def _bound(x, w, b) -> float:

@@ -36,9 +36,10 @@ def graph_us(fn, calls: int = 20) -> float:
 def shape_row(rows: int, n: int, k: int) -> str:
     x, w = torch.randn(rows, k, device="cuda"), torch.randn(n, k, device="cuda")
     ref = small_m_linear_reference(x, w)
-    row = [f"rows {rows} n {n} k {k}: cublas {graph_us(lambda: F.linear(x, w)):.1f} us"]
+    cublas, mine = graph_us(lambda: F.linear(x, w)), graph_us(lambda: small_m_linear(x, w))
     err = (small_m_linear(x, w) - ref).abs().max().item()
-    row.append(f"small_m {graph_us(lambda: small_m_linear(x, w)):.1f} us (err {err:.1e})")
+    row = [f"rows {rows} n {n} k {k}: cublas {cublas:.1f} us", f"small_m {mine:.1f} us (err {err:.1e})",
+           f"cublas/small_m {cublas / mine:.2f}x"]
     x1 = x[:1].contiguous()
     row.append(f"1-row gemv {graph_us(lambda: F.linear(x1, w)):.1f} us")
     return ", ".join(row)
