@@ -305,6 +305,16 @@ def _step_overhead(step_s: float, gemm: float, mem: float) -> float:
     return max(0.0, step_s - compute)
 
 
+def _copy_rates(torch, device: str, sync) -> tuple[float, float]:
+    """Device memory bandwidth (a copy reads and writes) and device-to-host bytes/s; the
+    buffers are freed on return."""
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    out = torch.empty_like(big)
+    mem = 2 * big.numel() / _timed(lambda: out.copy_(big), sync=sync)
+    host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=device != "cpu")
+    return mem, big.numel() / _timed(lambda: host.copy_(big, non_blocking=False), sync=sync)
+
+
 def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = ("tiny",),
             tps: tuple[int, ...] | None = None) -> MachineProfile:
     """``step_probe(device, tp[, pp])``: a ``ServedProbe`` of the tiny model served with
@@ -328,11 +338,7 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
         gemm_one = _gemm(torch, "cpu", 512, sync) if device == "cpu" else gemm
     finally:
         torch.set_num_threads(threads)
-    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    out = torch.empty_like(big)
-    mem = 2 * big.numel() / _timed(lambda: out.copy_(big), sync=sync)
-    host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=device != "cpu")
-    host_copy = big.numel() / _timed(lambda: host.copy_(big, non_blocking=False), sync=sync)
+    mem, host_copy = _copy_rates(torch, device, sync)
     tcp_rate, tcp_latency = _tcp(16 << 20)
     rates = {"mooncake": tcp_rate, "gloo": tcp_rate}
     latencies = {"mooncake": tcp_latency, "gloo": tcp_latency}
@@ -345,6 +351,8 @@ def measure(device: str = "cpu", step_probe=None, *, models: tuple[str, ...] = (
     tables = [measure_step_table([f"model={name}"], device, tps if name != "tiny" or device == "cpu" else (1,), cores,
                                  _timed) for name in dict.fromkeys(("tiny", *models))]
     rank_message = _pipe_round_trip()
+    if device.startswith("cuda"):  # the probes start servers on this GPU: leave them its memory
+        torch.cuda.empty_cache()
     one = step_probe(device, 1) if step_probe else None
     # Rank layouts served on a CPU (a GPU host's ranks each have a device): TP and PP of
     # 2 and 4, whose ranks share the cores; each priced from its own served probe.

@@ -67,13 +67,19 @@ def table_overheads(table: StepTable, cores: int, layers: int, one: ServedProbe,
     return step, row, rank_step(two, 2), request, per_token
 
 
+PROBE_GPU_MEMORY = 0.25
+
+
 def probe_overrides(device: str, tp: int = 1, pp: int = 1, disaggregated: bool = False) -> list[str]:
     """The deployment a probe serves (``pdflow.serve.step_probe``): monolithic ``tp`` x
     ``pp``, or P/D tp1 -> ``tp``."""
     layout = ["prefill=tp1", f"decode=tp{tp}"] if disaggregated else ["mode=monolithic", f"decode=tp{tp}",
                                                                        f"decode.pp={pp}"]
+    # On a GPU a quarter of it each side: the tiny model's pool needs little, and the
+    # default 0.9 leaves a probe no room beside a profile that still holds its buffers.
+    memory = [f"decode.memory={PROBE_GPU_MEMORY}", f"prefill.memory={PROBE_GPU_MEMORY}"] if device.startswith("cuda") else []
     return ["model=tiny", *layout, "drafter=none", "tracking=off", f"decode.device={device}",
-            f"prefill.device={device}"]
+            f"prefill.device={device}", *memory]
 
 
 def probe_graph(probe: ServedProbe, device: str = "cpu"):
