@@ -23,6 +23,14 @@ __all__ = ["MAX_ROWS", "small_m_linear", "small_m_linear_reference", "wins"]
 MAX_ROWS = 16
 MAX_K = 768
 MAX_N = 1023
+# One row count per compiled row class (BLOCK_M, the rows rounded up to a power of two;
+# ``rows`` itself is not specialized): what a warm-up runs to meet them all ahead.
+ROW_CLASSES = (2, 4, 8, 16)
+
+
+def row_class(rows: int) -> int:
+    """The kernel's BLOCK_M for this many rows: one compiled specialization each."""
+    return triton.next_power_of_2(rows)
 
 
 def wins(rows: int, n: int, k: int) -> bool:
@@ -30,7 +38,7 @@ def wins(rows: int, n: int, k: int) -> bool:
     return 1 < rows <= MAX_ROWS and n <= MAX_N and k <= MAX_K
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _small_m_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, s_x, s_w, s_o,
                          N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -57,7 +65,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     n, k_dim = weight.shape
     assert x.dtype == weight.dtype == torch.float32 and x.shape[-1] == k_dim and weight.stride(1) == 1
     flat = x.reshape(-1, k_dim)
-    if flat.stride(1) != 1:
+    if flat.stride(0) != k_dim or flat.stride(1) != 1:  # one stride class per weight
         flat = flat.contiguous()
     rows = flat.shape[0]
     assert rows <= MAX_ROWS, f"{rows} rows: small_m_linear takes at most {MAX_ROWS}"
@@ -66,7 +74,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         block_k = min(256, max(16, triton.next_power_of_2(k_dim)))
         _small_m_rows_kernel[(triton.cdiv(n, 16),)](
             flat, weight, bias if bias is not None else weight, out, rows, flat.stride(0), weight.stride(0),
-            out.stride(0), N=n, K=k_dim, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows),
+            out.stride(0), N=n, K=k_dim, HAS_BIAS=bias is not None, BLOCK_M=row_class(rows),
             BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
     return out.reshape(*x.shape[:-1], n)
 

@@ -17,8 +17,16 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # must precede the first triton kernel decoration
     os.environ["TRITON_INTERPRET"] = "1"
 
-from pdflow.kernels.small_m_linear import MAX_ROWS, small_m_linear, small_m_linear_reference, wins  # noqa: E402
+from pdflow.kernels.small_m_linear import (  # noqa: E402
+    MAX_ROWS,
+    ROW_CLASSES,
+    row_class,
+    small_m_linear,
+    small_m_linear_reference,
+    wins,
+)
 
+from pdflow.model import layers  # noqa: E402
 from pdflow.model.layers import Linear, linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +110,18 @@ def test_the_kernel_takes_the_shapes_cublas_was_slow_on_only():
     assert wins(8, 256, 768) and wins(2, 128, 256) and wins(16, 768, 256)
     assert not wins(1, 256, 256) and not wins(17, 256, 256)
     assert not wins(8, 1024, 256) and not wins(8, 256, 1024)
+
+
+def test_the_warm_up_meets_every_row_class_of_each_product_met():
+    """A request may bring any row count the warm-up's steps did not (a GPU test caught a
+    kernel compiled inside a request): the warm-up runs each seen shape at every class."""
+    assert {row_class(r) for r in ROW_CLASSES} == {row_class(r) for r in range(2, MAX_ROWS + 1)}
+    key = (24, 40, True, torch.device(DEV))
+    layers.SMALL_M_SHAPES.add(key)
+    try:
+        assert layers.warm_small_m_row_classes(torch.device(DEV)) >= 1
+    finally:
+        layers.SMALL_M_SHAPES.discard(key)
 
 
 @gpu

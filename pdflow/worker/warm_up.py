@@ -24,6 +24,7 @@ import torch
 
 from pdflow.attention import cpu_decode, jit_build
 from pdflow.graph import RunGraph, parallel_of
+from pdflow.model import layers
 from pdflow.parallel.messages import SamplingSpec, StepInput
 from pdflow.worker.stage_runner import ROWS_AS_DECODE, SHORT_STEP_ROWS
 
@@ -159,6 +160,8 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
             stage.drafting.release(step.seq_ids)
         elif stage.model.lm_head is not None:
             stage.runner.logits(step, hidden)
+    if full and cuda:  # the steps above met each small fp32 product in one row class
+        layers.warm_small_m_row_classes(device)
     done = len(classes)
     if stage.graphs is not None:
         done += 1
