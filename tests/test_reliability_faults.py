@@ -99,3 +99,18 @@ def test_a_consumer_rank_killed_is_a_502_and_the_producer_serves_on(served_befor
         _failed_in_time(r, took, "KV transfer failed", "decode instance was lost")
         assert deployment.lost["decode"] is not None
         _survivor_serves(deployment, url, "prefill")
+
+
+def test_a_deployment_with_no_instance_left_refuses_at_once():
+    """The only instance lost: the next request is refused at once with a 503 naming the
+    loss (it once raised an AttributeError inside admission, past the requests the dying
+    loop fails, and hung to the client's timeout)."""
+    with served(["mode=monolithic", "decode=tp2"]) as (deployment, url):
+        os.kill(deployment.consumer.instance.executor.pids[1], signal.SIGKILL)
+        r, took = _complete(url, list(range(4, 44)))
+        _failed_in_time(r, took, "decode instance was lost")
+        r, took = _complete(url, [7, 8, 9])  # the instance's 503, through the router a 502
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert "answered 503" in err["message"] and "every instance of this deployment was lost" in err["message"], err
+        assert took < STEP_TIMEOUT_S, f"the refusal took {took:.1f} s"

@@ -44,6 +44,10 @@ class _Request:
         return self.out.request_id
 
 
+class InstanceLost(RuntimeError):
+    """A request offered to a deployment none of whose instances is up."""
+
+
 class Deployment(EngineFacts):
     def __init__(self, spec: RunSpec):
         if not isinstance(spec, RunSpec):
@@ -88,6 +92,9 @@ class Deployment(EngineFacts):
 
     def submit(self, prompts: Prompt | Sequence[Prompt],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[str]:
+        if not self._live():
+            raise InstanceLost("every instance of this deployment was lost ("
+                               + "; ".join(f"{role}: {why}" for role, why in self.lost.items() if why) + "); restart it")
         ids = []
         for prompt, p in requests_of(prompts, sampling, self.tokenizer, self.vocab_size):
             out = RequestOutput(request_id=f"d{next(self._ids)}", prompt_token_ids=prompt, token_ids=[], logprobs=[],
@@ -292,8 +299,11 @@ class Deployment(EngineFacts):
     @property
     def engine(self) -> LLMEngine:
         """The instance requests meet (what ``EngineFacts`` reports): the consumer, the
-        producer when serving alone."""
-        return self.consumer if self._up(CONSUMER) else self.producer
+        producer when serving alone; with none up, the consumer still, whose facts (vocab,
+        lengths) a refusal reads while ``submit`` raises ``InstanceLost``."""
+        if self._up(CONSUMER) or not self._up(PRODUCER):
+            return self.consumer
+        return self.producer
 
     @property
     def max_model_len(self) -> int:

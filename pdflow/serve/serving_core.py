@@ -172,6 +172,12 @@ class ServingCore:
             self._on_finish(ticket, event)
             ticket.deliver(event)
             return
+        except Exception as exc:  # the engine cannot take requests: this one ends, then the core
+            self.admission.release(ticket)
+            event = StreamEvent(error=f"engine failed: {type(exc).__name__}: {exc}", error_status=503)
+            self._on_finish(ticket, event)
+            ticket.deliver(event)
+            raise
         self.active[ticket.request_id] = ticket
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
