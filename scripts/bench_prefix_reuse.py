@@ -11,6 +11,9 @@ holds a phase's prompts ahead of it):
   on        decode-side reuse (only the uncached suffix moves), router.policy=prefix
   on+local  reuse, and suffixes below --local tokens prefilled on the decode instance
   rr        reuse, router.policy=round_robin (the on phase's instances, another seed)
+  none      no prefix cache anywhere (both sides' enable_prefix_caching=false, a prefill
+            instance of its own): what "off" would be if the prefill side did not reuse
+            its own cached prefix for the compute
 
 Prints prompt KV bytes sent (the prefill instance's ``pdflow_kv_sent_bytes_total``), TTFT
 p50, and the decode instances' cache hit rate (usage cached_tokens / prompt tokens), and
@@ -56,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--local", type=int, default=64, help="router.local_prefill_tokens of the on+local phase")
-    p.add_argument("--phases", default="off,on,on+local,rr", help="separate mode: which phases to run")
+    p.add_argument("--phases", default="off,on,on+local,rr,none", help="separate mode: which phases to run")
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
     return p.parse_args()
 
@@ -134,14 +137,20 @@ def separate(args) -> dict[str, dict]:
     try:
         procs.append(start("prefill", *args.set))
         prefill = url_of(procs[-1])
+        no_cache = ["router.prefix_reuse=false", "prefill.enable_prefix_caching=false",
+                    "decode.enable_prefix_caching=false"]
         phases = {"off": ["router.prefix_reuse=false"], "on": [],
-                  "on+local": [f"router.local_prefill_tokens={args.local}"]}
+                  "on+local": [f"router.local_prefill_tokens={args.local}"], "none": no_cache}
         wanted, out = set(args.phases.split(",")), {}
         for seed, (name, extra) in enumerate(phases.items(), start=1):
             policies = {p: label for p, label in (("prefix", name), ("round_robin", "rr"))
                         if label in wanted and (label != "rr" or name == "on")}
             if not policies:
                 continue
+            if name == "none":  # a prefill instance without a prefix cache
+                stop(procs)
+                procs[:] = [start("prefill", *extra, *args.set)]
+                prefill = url_of(procs[-1])
             decode = [start("decode", *extra, *args.set) for _ in range(2)]
             urls = [url_of(d) for d in decode]
             for i, (policy, label) in enumerate(policies.items()):
@@ -200,6 +209,11 @@ def main() -> None:
     if on and off:
         print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")
         print(f"TTFT p50          on/off: {on['ttft_p50'] / off['ttft_p50']:.3f}x (goal <= 0.5x)")
+    if on and "none" in out:
+        none = out["none"]
+        print(f"TTFT p50         on/none: {on['ttft_p50'] / none['ttft_p50']:.3f}x (none: no prefix cache on "
+              f"either side; {none['ttft_p50'] * 1e3:.0f} ms)")
+        print(f"KV bytes sent    on/none: {on['bytes'] / none['bytes']:.3f}x")
     if "on+local" in out and off:
         local = out["on+local"]
         print(f"KV bytes sent  local/off: {local['bytes'] / off['bytes']:.3f}x")
