@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "small_m_linear", "small_m_linear_reference", "wins"]
+__all__ = ["MAX_ROWS", "ROW_CLASSES", "row_class", "small_m_linear", "small_m_linear_reference", "wins"]
 
 # Where it beats cuBLAS (scripts/kernel_bench/small_m_micro.py, one H200, in CUDA graphs,
 # 8 rows): 4.8-4.9 us against cuBLAS's 24-52 us at N 128-768 x K 256, 11.4 against 30.7 us

@@ -116,7 +116,7 @@ def test_the_warm_up_meets_every_row_class_of_each_product_met():
     """A request may bring any row count the warm-up's steps did not (a GPU test caught a
     kernel compiled inside a request): the warm-up runs each seen shape at every class."""
     assert {row_class(r) for r in ROW_CLASSES} == {row_class(r) for r in range(2, MAX_ROWS + 1)}
-    key = (24, 40, True, torch.device(DEV))
+    key = (24, 40, 48, True, torch.device(DEV))
     layers.SMALL_M_SHAPES.add(key)
     try:
         assert layers.warm_small_m_row_classes(torch.device(DEV)) >= 1

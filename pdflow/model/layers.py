@@ -63,14 +63,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda and x.dtype == torch.float32 and weight.stride(-1) == 1 and x.shape[-1]:
         kernel = _small_m_linear()
         if kernel is not None and kernel.wins(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1]):
-            SMALL_M_SHAPES.add((weight.shape[0], x.shape[-1], bias is not None, x.device))
+            SMALL_M_SHAPES.add((weight.shape[0], x.shape[-1], weight.stride(0), bias is not None, x.device))
             return kernel.small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-# (N, K, has a bias, device) of every product ``linear`` sent to the small-row kernel, so
-# that a warm-up compiles its other row classes: a request may meet any of them.
-SMALL_M_SHAPES: set[tuple[int, int, bool, torch.device]] = set()
+# (N, K, the weight's row stride, has a bias, device) of every product ``linear`` sent to
+# the small-row kernel, so that a warm-up compiles its other row classes: a request may
+# meet any of them.
+SMALL_M_SHAPES: set[tuple[int, int, int, bool, torch.device]] = set()
 
 
 def warm_small_m_row_classes(device: torch.device) -> int:
@@ -79,9 +80,9 @@ def warm_small_m_row_classes(device: torch.device) -> int:
     kernel = _small_m_linear()
     if device.type == "cuda" and device.index is None:  # as a tensor's device reads
         device = torch.device("cuda", torch.cuda.current_device())
-    shapes = [s for s in SMALL_M_SHAPES if s[3] == device] if kernel is not None else []
-    for n, k, has_bias, _ in shapes:
-        weight = torch.zeros(n, k, device=device)
+    shapes = [s for s in SMALL_M_SHAPES if s[-1] == device] if kernel is not None else []
+    for n, k, row_stride, has_bias, _ in shapes:
+        weight = torch.zeros(n, row_stride, device=device)[:, :k]  # the same stride class
         bias = torch.zeros(n, device=device) if has_bias else None
         for rows in kernel.ROW_CLASSES:
             kernel.small_m_linear(torch.zeros(rows, k, device=device), weight, bias)
