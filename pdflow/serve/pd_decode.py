@@ -69,7 +69,6 @@ class DecodeBackend(EngineFacts):
                                         endpoints=engine.instance.open_kv_link())
         # Requests the pool was full for: id, prompt, sampling, producer URL.
         self.waiting: deque[tuple[str, list[int], SamplingParams, str]] = deque()
-        self.in_flight: set[str] = set()
         self.aborted: set[str] = set()
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -97,7 +96,7 @@ class DecodeBackend(EngineFacts):
         return rid
 
     def abort(self, request_id: str) -> bool:
-        if request_id in self.in_flight:
+        if request_id in self.engine.awaiting_kv:
             self.aborted.add(request_id)  # its blocks are freed once the producer answers
             return True
         for item in self.waiting:
@@ -147,7 +146,6 @@ class DecodeBackend(EngineFacts):
             return admitted.local
         job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                             target=dataclasses.replace(admitted.target, consumer=self.consumer_id))
-        self.in_flight.add(rid)
         self._pool.submit(self._exchange, producer, job)
         return True
 
@@ -179,7 +177,6 @@ class DecodeBackend(EngineFacts):
         try:
             rid, answer = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
             while True:
-                self.in_flight.discard(rid)
                 aborted = rid in self.aborted
                 self.aborted.discard(rid)
                 settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
