@@ -11,7 +11,6 @@ header is served whole. On shutdown each paired producer is told (``/pdflow/unpa
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import queue
 import sys
@@ -139,13 +138,11 @@ class DecodeBackend(EngineFacts):
     def _start(self, rid: str, prompt: list[int], sampling: SamplingParams, producer: str) -> bool:
         """Allocate the prompt's blocks and hand its prefill at ``producer`` to a worker
         thread; False while the pool is short."""
-        router = self.engine.spec.router
-        admitted = admit_to_consumer(self.engine, prompt, sampling, rid, reuse=router.prefix_reuse,
-                                     local_below=router.local_prefill_tokens, counts=self.reuse)
+        admitted = admit_to_consumer(self.engine, prompt, sampling, rid, counts=self.reuse,
+                                     consumer_id=self.consumer_id)
         if admitted.local or admitted.target is None:
             return admitted.local
-        job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                            target=dataclasses.replace(admitted.target, consumer=self.consumer_id))
+        job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling, target=admitted.target)
         self._pool.submit(self._exchange, producer, job)
         return True
 
