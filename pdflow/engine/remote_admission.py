@@ -42,17 +42,17 @@ class Admission:
 
 
 def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: SamplingParams, request_id: str, *,
-                      reuse: bool, local_below: int, counts: ReuseCounts, consumer_id: str = "",
-                      producers_saturated: bool = False) -> Admission:
+                      counts: ReuseCounts, consumer_id: str = "") -> Admission:
     """Admit ``prompt`` on ``consumer``: locally (its uncached part is below
-    ``local_below`` tokens, or ``producers_saturated``), or parked for a producer's KV
-    into the blocks after its cached prefix (``reuse``) or into all of them."""
-    cached = consumer.blocks.peek_prefix(prompt) if reuse else 0
-    if producers_saturated or len(prompt) - cached < local_below:
+    ``router.local_prefill_tokens``), or parked for a producer's KV into the blocks after
+    its cached prefix (``router.prefix_reuse``) or into all of them."""
+    router = consumer.spec.router
+    cached = consumer.blocks.peek_prefix(prompt) if router.prefix_reuse else 0
+    if len(prompt) - cached < router.local_prefill_tokens:
         consumer.add_request(prompt, sampling, request_id)
         counts.local_prefills += 1
         return Admission(local=True)
-    blocks = consumer.add_remote_request(prompt, sampling, request_id, reuse_prefix=reuse)
+    blocks = consumer.add_remote_request(prompt, sampling, request_id, reuse_prefix=router.prefix_reuse)
     if blocks is None:
         return Admission()
     first = consumer.awaiting_kv[request_id].num_cached_tokens // consumer.blocks.block_size

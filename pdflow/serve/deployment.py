@@ -177,9 +177,7 @@ class Deployment(EngineFacts):
         while self._queue:
             req = self._queue[0]
             if self._up(PRODUCER) and self._up(CONSUMER):
-                router = self.spec.router
                 admitted = admit_to_consumer(self.consumer, req.out.prompt_token_ids, req.sampling, req.request_id,
-                                             reuse=router.prefix_reuse, local_below=router.local_prefill_tokens,
                                              counts=self.reuse)
                 if not admitted.local and admitted.target is None:
                     return  # the consumer's pool is full: admit after some requests finish

@@ -11,7 +11,6 @@ header is served whole. On shutdown each paired producer is told (``/pdflow/unpa
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import queue
 import sys
@@ -69,7 +68,6 @@ class DecodeBackend(EngineFacts):
                                         endpoints=engine.instance.open_kv_link())
         # Requests the pool was full for: id, prompt, sampling, producer URL.
         self.waiting: deque[tuple[str, list[int], SamplingParams, str]] = deque()
-        self.in_flight: set[str] = set()
         self.aborted: set[str] = set()
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -97,7 +95,7 @@ class DecodeBackend(EngineFacts):
         return rid
 
     def abort(self, request_id: str) -> bool:
-        if request_id in self.in_flight:
+        if request_id in self.engine.awaiting_kv:
             self.aborted.add(request_id)  # its blocks are freed once the producer answers
             return True
         for item in self.waiting:
@@ -140,14 +138,11 @@ class DecodeBackend(EngineFacts):
     def _start(self, rid: str, prompt: list[int], sampling: SamplingParams, producer: str) -> bool:
         """Allocate the prompt's blocks and hand its prefill at ``producer`` to a worker
         thread; False while the pool is short."""
-        router = self.engine.spec.router
-        admitted = admit_to_consumer(self.engine, prompt, sampling, rid, reuse=router.prefix_reuse,
-                                     local_below=router.local_prefill_tokens, counts=self.reuse)
+        admitted = admit_to_consumer(self.engine, prompt, sampling, rid, counts=self.reuse,
+                                     consumer_id=self.consumer_id)
         if admitted.local or admitted.target is None:
             return admitted.local
-        job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                            target=dataclasses.replace(admitted.target, consumer=self.consumer_id))
-        self.in_flight.add(rid)
+        job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling, target=admitted.target)
         self._pool.submit(self._exchange, producer, job)
         return True
 
@@ -179,7 +174,6 @@ class DecodeBackend(EngineFacts):
         try:
             rid, answer = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
             while True:
-                self.in_flight.discard(rid)
                 aborted = rid in self.aborted
                 self.aborted.discard(rid)
                 settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)

@@ -62,8 +62,7 @@ class TransferStats:
 
 
 class MooncakeTransport:
-    def __init__(self, spec: TransferSpec, *, host: str = "127.0.0.1",
-                 registration_limit: int = REGISTRATION_LIMIT):
+    def __init__(self, spec: TransferSpec):
         if spec.backend != "mooncake":
             raise ValueError(f"MooncakeTransport serves transfer.backend=mooncake, not {spec.backend!r}")
         if spec.protocol == "tcp":  # `protocol` only picks the allocator; discovery picks the transport
@@ -73,9 +72,9 @@ class MooncakeTransport:
             from mooncake.engine import TransferEngine
         except ImportError as err:  # the wheel, or a shared library it needs, is missing
             raise ImportError(f"Mooncake Transfer Engine unavailable ({err}); {INSTALL_HINT}") from err
-        host = spec.host or host
+        host = spec.host or "127.0.0.1"
         self.spec = spec
-        self.registration_limit = registration_limit
+        self.registration_limit = REGISTRATION_LIMIT  # tests lower it
         # The engine picks its own RPC and data ports; another process can take one between
         # its pick and its bind, so a failed initialize is retried with a fresh engine.
         for attempt in range(INIT_ATTEMPTS):

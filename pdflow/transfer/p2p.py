@@ -93,17 +93,12 @@ class P2PPeer:
         self.sender: Sender = MOVERS[self.mover][0](self)  # the way this pair's bytes move
         try:
             self.sender.set_up(ready)
-        except BaseException:
-            self._abandon()
+        except BaseException:  # the consumer's session sees the connection close; nothing stays held
+            self.conn.close()
+            abort_group(self.sender.group)
+            self.sender.release()
             raise
         self.deadline = GroupDeadline(self.sender.group, self.conn.sock)
-
-    def _abandon(self) -> None:
-        """A set-up that failed part way: the consumer's session sees the connection close,
-        and nothing made for the pair stays held."""
-        self.conn.close()
-        abort_group(self.sender.group)
-        self.sender.release()
 
     def send(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], request_id: str, nonce: int) -> None:
         """Move one request's runs into the consumer's ``dst_blocks`` (``nonce``: the consumer
