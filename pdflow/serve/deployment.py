@@ -93,8 +93,7 @@ class Deployment(EngineFacts):
     def submit(self, prompts: Prompt | Sequence[Prompt],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[str]:
         if not self._live():
-            raise InstanceLost("every instance of this deployment was lost ("
-                               + "; ".join(f"{role}: {why}" for role, why in self.lost.items() if why) + "); restart it")
+            raise InstanceLost(f"{self._all_lost()}; restart it")
         ids = []
         for prompt, p in requests_of(prompts, sampling, self.tokenizer, self.vocab_size):
             out = RequestOutput(request_id=f"d{next(self._ids)}", prompt_token_ids=prompt, token_ids=[], logprobs=[],
@@ -187,12 +186,15 @@ class Deployment(EngineFacts):
             else:
                 alone = self.consumer if self._up(CONSUMER) else self.producer if self._up(PRODUCER) else None
                 if alone is None:
-                    yield self._fail(req.request_id, "every instance of the deployment is lost: "
-                                     + "; ".join(f"{r}: {w}" for r, w in self.lost.items() if w))
+                    yield self._fail(req.request_id, self._all_lost())
                     self._queue.popleft()
                     continue
                 alone.add_request(req.out.prompt_token_ids, req.sampling, req.request_id)
             self._queue.popleft()
+
+    def _all_lost(self) -> str:
+        return "every instance of this deployment was lost (" + "; ".join(
+            f"{role}: {why}" for role, why in self.lost.items() if why) + ")"
 
     def _engine_of(self, role: str) -> LLMEngine | None:
         return self.producer if role == PRODUCER else self.consumer
