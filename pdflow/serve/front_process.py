@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from dataclasses import dataclass
 
@@ -46,7 +47,18 @@ class RemoteHost:
         return (await self.client.query("metrics")).text
 
 
-async def _serve(sock: socket.socket, address: str, front: int, core_pid: int, options: FrontOptions) -> None:
+async def _say_ready(server, ready_fd: int) -> None:
+    """One byte to the supervisor once uvicorn serves: this front has started."""
+    try:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        os.write(ready_fd, b"r")
+    finally:
+        os.close(ready_fd)
+
+
+async def _serve(sock: socket.socket, ready_fd: int, address: str, front: int, core_pid: int,
+                 options: FrontOptions) -> None:
     import uvicorn
 
     from pdflow.serve.api import create_app
@@ -56,14 +68,17 @@ async def _serve(sock: socket.socket, address: str, front: int, core_pid: int, o
                      request_timeout_s=options.request_timeout_s, max_body_bytes=options.max_body_bytes)
     starting = asyncio.create_task(client.start())
     config = uvicorn.Config(app, log_level=options.log_level, access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    ready = asyncio.create_task(_say_ready(server, ready_fd))
     try:
-        await uvicorn.Server(config).serve(sockets=[sock])
+        await server.serve(sockets=[sock])
     finally:
+        ready.cancel()
         starting.cancel()
         client.close()
 
 
-def front_main(fd: int, address: str, front: int, core_pid: int, parent_pid: int,
+def front_main(fd: int, ready_fd: int, address: str, front: int, core_pid: int, parent_pid: int,
                options: FrontOptions) -> None:
     """Entry of a front process (spawned by ``supervisor``); SIGTERM ends it gracefully."""
     from pdflow.serve.core_process import watch_parent
@@ -72,7 +87,7 @@ def front_main(fd: int, address: str, front: int, core_pid: int, parent_pid: int
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = socket.socket(fileno=fd)  # the server's listening socket, shared by every front
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(sock, address, front, core_pid, options))
+        runner.run(_serve(sock, ready_fd, address, front, core_pid, options))
 
 
 def _loop_factory():

@@ -3,9 +3,10 @@
 
 A front that dies is started again on the same socket (the core keeps every request's
 state; the dead front's requests are aborted when its successor says hello). A front that
-cannot start (it exits within ``FRONT_CRASH_WINDOW_S`` of starting, ``FRONT_CRASH_LIMIT``
-times in a row: an import error, a bad option) fails the server instead of being restarted
-forever while the listening socket queues connections nobody answers. A core that
+cannot start (it exits before it says it serves, through a pipe of its own,
+``FRONT_CRASH_LIMIT`` times in a row: an import error, a bad option) fails the server
+instead of being restarted forever while the listening socket queues connections nobody
+answers. Not a time window: on a loaded host a front's imports alone can outlast one. A core that
 dies fails the server: the fronts answer what was open with 503 (they see the core's exit
 themselves), get a moment to send it, are stopped, and ``failure`` names what happened so
 ``pdflow serve`` exits non-zero. ``stop`` (SIGTERM to ``pdflow serve``): fronts first
@@ -28,7 +29,6 @@ from pdflow.spec import RunSpec
 FAILED_CORE_GRACE_S = 3.0
 STOP_TIMEOUT_S = 30.0
 BACKLOG = 2048
-FRONT_CRASH_WINDOW_S = 10.0
 FRONT_CRASH_LIMIT = 3
 
 
@@ -47,8 +47,9 @@ class Supervisor:
         self.address = f"ipc://{self._dir.name}/core"
         self.core = None
         self.fronts: list = [None] * spec.serve.api_servers
-        self._front_started = [0.0] * spec.serve.api_servers
-        self._quick_exits = [0] * spec.serve.api_servers
+        # Per front: the read end of the pipe it writes a byte to once it serves.
+        self._ready_pipes: list[int | None] = [None] * spec.serve.api_servers
+        self._failed_starts = [0] * spec.serve.api_servers
         self.failure: str | None = None
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pdflow-supervisor", daemon=True)
@@ -86,6 +87,9 @@ class Supervisor:
             self._join(self.core)
         if self._watcher.is_alive():
             self._watcher.join(5.0)
+        for fd in self._ready_pipes:
+            if fd is not None:
+                os.close(fd)
         for child in [*self.fronts, self.core]:
             if child is not None:
                 child.close()
@@ -96,9 +100,13 @@ class Supervisor:
 
     def _start_front(self, i: int) -> None:
         fd = self.sock.fileno()
-        self._front_started[i] = time.monotonic()
-        self.fronts[i] = Child(self.FRONT_TARGET, (fd, self.address, i, self.core.pid, os.getpid(), self.options),
-                               pass_fds=(fd,))
+        ready_r, ready_w = os.pipe()
+        self._ready_pipes[i] = ready_r
+        try:
+            self.fronts[i] = Child(self.FRONT_TARGET, (fd, ready_w, self.address, i, self.core.pid, os.getpid(),
+                                                       self.options), pass_fds=(fd, ready_w))
+        finally:
+            os.close(ready_w)
 
     def _watch(self) -> None:
         while not self._stopping.is_set():
@@ -120,13 +128,14 @@ class Supervisor:
         front.join()
         code = front.exitcode
         front.close()
-        quick = time.monotonic() - self._front_started[i] < FRONT_CRASH_WINDOW_S
-        self._quick_exits[i] = self._quick_exits[i] + 1 if quick else 0
-        if self._quick_exits[i] < FRONT_CRASH_LIMIT:
+        served = _said_ready(self._ready_pipes[i])
+        self._ready_pipes[i] = None
+        self._failed_starts[i] = 0 if served else self._failed_starts[i] + 1
+        if self._failed_starts[i] < FRONT_CRASH_LIMIT:
             return False
         self.fronts[i] = None
-        self.failure = (f"API front process {i} exited {FRONT_CRASH_LIMIT} times within {FRONT_CRASH_WINDOW_S:.0f} s "
-                        f"of starting (last exit code {code}); its error is above")
+        self.failure = (f"API front process {i} exited {FRONT_CRASH_LIMIT} times before it served "
+                        f"(last exit code {code}); its error is above")
         return True
 
     def _core_died(self) -> None:
@@ -136,3 +145,11 @@ class Supervisor:
 
     def _join(self, child: Child) -> None:
         child.join(STOP_TIMEOUT_S)
+
+
+def _said_ready(fd: int) -> bool:
+    """Whether the front wrote its byte before it exited (its pipe is then at EOF)."""
+    try:
+        return os.read(fd, 1) == b"r"
+    finally:
+        os.close(fd)
