@@ -87,7 +87,8 @@ def test_lm_eval_loglikelihood_task_through_pdflow_serve_equals_offline(tmp_path
             model="local-completions",
             model_args=(f"model=tiny,base_url={url}/v1/completions,tokenizer={ASSET},tokenizer_backend=huggingface,"
                         "add_bos_token=True,num_concurrent=4,max_retries=1,tokenized_requests=True"),
-            tasks=["pdflow_arith_mc"], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
+            tasks=["pdflow_arith_mc"], task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+            log_samples=True,
         )
     finally:
         _stop(proc)
