@@ -2,19 +2,32 @@
 
 scripts/ goes on sys.path so the kernel tests import the (not installed) benchmark
 harness's input builders as ``kernel_bench``.
+
+Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads
+(``OMP_NUM_THREADS``, inherited by the processes a test starts unless they set their own,
+as the engine's core and ranks do): two workers of two threads each on a 2-core machine
+oversubscribe it, and OpenMP's barriers then make in-process model runs several times
+slower. What a test computes does not change, only how many threads compute it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+if (_workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(_workers)))
+
 import pytest
+import torch
 
 from pdflow.graph import build_graph
 from pdflow.spec.load import compose_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+if _workers and "OMP_NUM_THREADS" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may be imported already
 
 
 @pytest.fixture

@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "pdflow" / "bench" / "tasks" / "lm_eval"
 ASSET = ROOT / "pdflow" / "assets" / "tiny"
 URL = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
+# The task's first docs (lm-eval's ``limit``): each is 4 prompts of ~500 tokens, scored
+# twice (served, offline); the per-choice logprobs compared below are the oracle.
+DOCS = 8
 
 
 def _serve(tmp_path) -> tuple[subprocess.Popen, str]:
@@ -80,14 +83,16 @@ def test_lm_eval_loglikelihood_task_through_pdflow_serve_equals_offline(tmp_path
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     monkeypatch.chdir(ROOT)  # the task's data file is named relative to the repository root
-    docs = [json.loads(line) for line in (TASKS / "arith_mc.jsonl").read_text().splitlines()]
+    docs = [json.loads(line) for line in (TASKS / "arith_mc.jsonl").read_text().splitlines()][:DOCS]
     proc, url = _serve(tmp_path)
     try:
         results = lm_eval.simple_evaluate(
             model="local-completions",
             model_args=(f"model=tiny,base_url={url}/v1/completions,tokenizer={ASSET},tokenizer_backend=huggingface,"
                         "add_bos_token=True,num_concurrent=4,max_retries=1,tokenized_requests=True"),
-            tasks=["pdflow_arith_mc"], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
+            tasks=["pdflow_arith_mc"], task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+            log_samples=True,
+            limit=DOCS,
         )
     finally:
         _stop(proc)
@@ -95,6 +100,7 @@ def test_lm_eval_loglikelihood_task_through_pdflow_serve_equals_offline(tmp_path
     offline_acc, offline = _offline(docs)
     assert served_acc == offline_acc
     assert served_acc > 1 / 4  # above chance: the logprobs are the model's, not noise
+    assert len(results["samples"]["pdflow_arith_mc"]) == DOCS
     for sample in results["samples"]["pdflow_arith_mc"]:
         served = [r[0][0] for r in sample["resps"]]
         assert served == pytest.approx(offline[sample["doc_id"]], abs=1e-3)
