@@ -6,6 +6,7 @@ row a FAILED child with its error)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import bench_gpu_accuracy  # scripts/ is on sys.path (conftest)
 import bench_mlflow
@@ -15,14 +16,20 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+def _store(folder, template) -> str:
+    """An empty MLflow store in ``folder`` (a copy of the session's migrated one)."""
+    shutil.copy(template, folder / "mlflow.db")
+    return f"sqlite:///{folder}/mlflow.db"
+
+
 def _runs(uri: str):
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("pdflow-bench")
     return client.search_runs([exp.experiment_id])
 
 
-def test_accuracy_rows_and_their_mlflow_runs(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_accuracy_rows_and_their_mlflow_runs(tmp_path, mlflow_template):
+    uri = _store(tmp_path, mlflow_template)
     code = bench_gpu_accuracy.main(["--device", "cpu", "--gpus", "2", "--n", "2", "--per-depth", "1",
                                     "--max-tokens", "24", "--context-len", "300",
                                     "--rows", "P/D PP2->TP2 dspark,P/D PP2->TP2 dspark (page-ignorant draft cut)",
@@ -47,8 +54,8 @@ def test_accuracy_rows_and_their_mlflow_runs(tmp_path):
     assert child.data.metrics["arith.arith_strict"] == pd["arith"]["arith_strict"]
 
 
-def test_a_failed_row_is_a_failed_child_run(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_failed_row_is_a_failed_child_run(tmp_path, mlflow_template):
+    uri = _store(tmp_path, mlflow_template)
     bench_mlflow.log_table(uri, experiment="pdflow-bench", table="t", text="| table |", tags={},
                            rows=[dict(name="good", x=1.5, layout=[2, 2]), dict(name="bad", error="refused: X")])
     runs = {r.info.run_name: r for r in _runs(uri)}
@@ -57,10 +64,10 @@ def test_a_failed_row_is_a_failed_child_run(tmp_path):
     assert runs["bad"].info.status == "FAILED" and "refused: X" in runs["bad"].data.tags["pdflow.error"]
 
 
-def test_the_export_holds_every_run_with_its_numbers_and_tables(tmp_path):
+def test_the_export_holds_every_run_with_its_numbers_and_tables(tmp_path, mlflow_template):
     import export_mlflow
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = _store(tmp_path, mlflow_template)
     bench_mlflow.log_table(uri, experiment="pdflow-bench", table="t", text="| the table |", tags={},
                            rows=[dict(name="a", x=2.0), dict(name="b", x=3.0)])
     assert export_mlflow.main(["--uri", uri, "--out", str(tmp_path / "runs.json")]) == 0

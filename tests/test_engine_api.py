@@ -24,6 +24,22 @@ def test_import_pdflow_stays_torch_free_until_llm_is_used():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_spec_decode_loads_its_drafters_only_when_named():
+    """``pdflow.engine.sequence`` (imported by the router and a server's supervisor) needs
+    only the acceptance stats; the drafters (torch) load when a name needing them is used.
+    The package's ``verify`` is the function even when the submodule was imported first."""
+    code = (
+        "import sys, types, pdflow.engine.sequence, pdflow.spec_decode as sd\n"
+        "assert 'torch' not in sys.modules\n"
+        "from pdflow.spec_decode.verify import verify\n"
+        "assert sd.verify is verify and not isinstance(sd.verify, types.ModuleType)\n"
+        "from pdflow.spec_decode import Drafter, verify as again\n"
+        "assert again is verify and Drafter.__module__ == 'pdflow.spec_decode.drafter'\n"
+        "assert all(getattr(sd, name) is not None for name in sd.__all__)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_llm_from_run_spec_serves_a_random_model_of_the_spec_geometry():
     from pdflow import LLM, SamplingParams
 

@@ -7,6 +7,7 @@ what is tested, in seconds. The front itself is tested on plain runs."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -37,7 +38,8 @@ def test_pareto_front_keeps_the_undominated_and_best_is_goodput_per_device():
 
 
 @pytest.mark.parametrize(("experiment", "jobs"), [("search_tiny", 3), ("grid_tiny", 8)])
-def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_path, experiment, jobs):
+def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_path, mlflow_template, experiment,
+                                                                          jobs):
     """The Optuna search, and the hand grid it must beat (Hydra's basic sweeper): the same
     parent/child structure, every trial pruned by the estimate."""
     profile = MachineProfile(device="cpu", host="test", cores=2, gemm_flops_s=1e10, gemm_flops_s_one_thread=1e10,
@@ -45,6 +47,7 @@ def test_search_makes_one_parent_with_a_child_per_trial_and_counts_pruned(tmp_pa
                              transfer_latency_s={"mooncake": 1e-4, "gloo": 1e-4}, rank_message_s=1e-4,
                              step_overhead_s=100.0).save(tmp_path / "profile.json")
     db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template, db)  # an empty store, migrated once per session (conftest)
     env = os.environ | {"PDFLOW_PROFILE": str(profile)}
     out = subprocess.run(
         [sys.executable, "-m", "pdflow.cli", "run", "-m", f"+experiment={experiment}",
@@ -114,7 +117,7 @@ def test_deployment_key_ignores_only_what_a_run_does_not_use():
     assert key("name=a", "tracking.uri=sqlite:///a.db") == key("name=b", "tracking.uri=sqlite:///b.db")
 
 
-def test_a_sweep_runs_each_deployment_once(tmp_path):
+def test_a_sweep_runs_each_deployment_once(tmp_path, mlflow_template):
     """The hand grid made monolithic asks for 8 trials of 4 deployments (its prefill
     choices do not apply): 4 run (all pruned here), 4 are tagged duplicates of them and
     launch nothing; the parent counts both, and its comparison lists each deployment once."""
@@ -123,6 +126,7 @@ def test_a_sweep_runs_each_deployment_once(tmp_path):
                              transfer_latency_s={"gloo": 1e-4}, rank_message_s=1e-4,
                              step_overhead_s=100.0).save(tmp_path / "profile.json")
     db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template, db)  # an empty store, migrated once per session (conftest)
     out = subprocess.run(
         [sys.executable, "-m", "pdflow.cli", "run", "-m", "+experiment=grid_tiny", "mode=monolithic",
          f"tracking.uri=sqlite:///{db}"],
