@@ -2,7 +2,8 @@
 
 1. ``gluon``: FlashAttention-3's schedule written in Gluon (kernels/prefill_gluon.py):
    1.02-1.04x SDPA at 8K tokens on the H200 (bench/KERNEL_NOTES.md). Needs Hopper, bf16,
-   head_dim 64/128 and page-128 blocks (one page per block).
+   head_dim 64/128 and blocks a multiple of its 128-token tile (pages of 16-64 tokens
+   load as one TMA box each).
 2. ``tma``: the plain-Triton kernel with TMA tile loads (kernels/prefill_tma.py; 0.78x
    SDPA). Needs TMA (Hopper or newer, a triton with tensor descriptors), blocks a
    multiple of its 64-token tile, contiguous caches, 16-bit data, power-of-two

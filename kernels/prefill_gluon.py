@@ -15,8 +15,9 @@ matmul. Gluon writes the schedule by hand:
   and a persistent grid are knobs, off by default: neither is faster on the H200
   (bench/KERNEL_NOTES.md).
 
-K/V come from the page-128 cache (one page = one block = the 128-token tile) viewed as
-rows ``[num_blocks * H_kv * page, D]``. The tile that runs past the context is masked in
+K/V come from the cache viewed as rows ``[num_blocks * pages_per_block * H_kv * page, D]``:
+a 128-token tile is one TMA box at page 128, and 128 / page boxes (one per page, H_kv
+pages apart, each into its rows of the tile's buffer) at pages of 16-64 tokens. The tile that runs past the context is masked in
 S and its V tail is zeroed in place (the cache tail may hold NaN, and 0 * NaN is NaN).
 The host contract is ``prefill_attention``'s.
 """
@@ -50,7 +51,7 @@ from .fast_launch import FastLaunch
 __all__ = ["gluon_available", "gluon_applies", "prefill_attention_gluon"]
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
-BLOCK_N = 128  # keys per K/V tile: one page-128 page
+BLOCK_N = 128  # keys per K/V tile
 STAGES = 2
 PINGPONG = False
 PERSISTENT = False
@@ -127,11 +128,13 @@ if gluon is not None:
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt, cu_ptr,
                 lens_ptr, n_bh, n_m, n_work, nprog, H_Q: gl.constexpr, H_KV: gl.constexpr,
-                PAGE: gl.constexpr):
+                PAGE: gl.constexpr, PPB: gl.constexpr):
         BM: gl.constexpr = q_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         NS: gl.constexpr = k_smem.shape[0]
+        ROWS: gl.constexpr = k_desc.block_type.shape[0]  # a page, or the tile if pages are larger
+        NP: gl.constexpr = BN // ROWS  # TMA boxes per tile: the tile's pages, one head each
         it = 0  # K/V tiles loaded so far: the ring position runs on across work items
         n_done = 0
         for tile in range(gl.program_id(0), n_work, nprog):
@@ -148,16 +151,20 @@ if gluon is not None:
                     s = (it + j) % NS
                     free = (((it + j) // NS) & 1) ^ 1  # the first pass waits for nothing
                     n0 = j * BN
-                    blk = gl.load(bt_row + n0 // PAGE)
-                    row = (blk * H_KV + kvh) * PAGE + n0 % PAGE
+                    blk = gl.load(bt_row + n0 // (PAGE * PPB))
+                    page = blk * PPB + (n0 % (PAGE * PPB)) // PAGE
+                    row = (page * H_KV + kvh) * PAGE + n0 % PAGE
+                    # a tile's pages are consecutive in its block: NP boxes H_KV pages apart
                     mbarrier.wait(bars.k_empty.index(s), free)
-                    mbarrier.expect(bars.k_ready.index(s), k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [row, 0], bars.k_ready.index(s),
-                                                    k_smem.index(s))
+                    mbarrier.expect(bars.k_ready.index(s), NP * k_desc.block_type.nbytes)
+                    for i in gl.static_range(NP):
+                        _tma_load(k_desc, [row + i * H_KV * PAGE, 0], bars.k_ready.index(s),
+                                  k_smem.index(s).slice(i * ROWS, ROWS))
                     mbarrier.wait(bars.v_empty.index(s), free)
-                    mbarrier.expect(bars.v_ready.index(s), v_desc.block_type.nbytes)
-                    _tma_load(v_desc, [row, 0], bars.v_ready.index(s),
-                                                    v_smem.index(s))
+                    mbarrier.expect(bars.v_ready.index(s), NP * v_desc.block_type.nbytes)
+                    for i in gl.static_range(NP):
+                        _tma_load(v_desc, [row + i * H_KV * PAGE, 0], bars.v_ready.index(s),
+                                  v_smem.index(s).slice(i * ROWS, ROWS))
                 it += n_tiles
                 n_done += 1
 
@@ -309,8 +316,8 @@ if gluon is not None:
     def _prefill_gluon_kernel(q_desc, k_desc, v_desc, cu_ptr, lens_ptr, bt_ptr, o_ptr,
                               scale_log2, n_bh, n_m, n_work, nprog, s_ot, s_oh, s_bt,
                               H_Q: gl.constexpr, H_KV: gl.constexpr, D: gl.constexpr,
-                              PAGE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                              NS: gl.constexpr, PINGPONG: gl.constexpr):
+                              PAGE: gl.constexpr, PPB: gl.constexpr, BM: gl.constexpr,
+                              BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
@@ -326,7 +333,7 @@ if gluon is not None:
                              n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q,
                              PINGPONG)),  # rows 64-127
                 (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
-                           cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE)),
+                           cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
             ],
             worker_num_warps=[4, 1],
             worker_num_regs=[240, 24],
@@ -340,12 +347,14 @@ def _is_hopper(device: torch.device) -> bool:
 
 def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when this kernel can run these tensors: Hopper, bf16, head_dim 64 or 128,
-    page-128 caches with one page per block, heads of q contiguous."""
+    blocks a multiple of the 128-token tile whose pages are 16, 32 or 64 tokens (a tile
+    is that many TMA boxes) or a multiple of 128, heads of q contiguous."""
     if gluon is None or interpreting(q) or not _is_hopper(q.device):
         return False
     _, ppb, _, page, d = k_cache.shape
     return (q.dtype == torch.bfloat16 and k_cache.dtype == q.dtype and d in (64, 128)
-            and ppb == 1 and page % BLOCK_N == 0 and q.stride(-1) == 1 and q.stride(1) == d
+            and (page in (16, 32, 64) or page % BLOCK_N == 0) and (page * ppb) % BLOCK_N == 0
+            and q.stride(-1) == 1 and q.stride(1) == d
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.data_ptr() % 16 == 0 and (q.stride(0) * 2) % 16 == 0)
 
@@ -357,12 +366,13 @@ def _smem_layout(d: int):
 
 def _descriptors(q, k_cache, v_cache):
     t, h_q, d = q.shape
-    nb, _, h_kv, page, _ = k_cache.shape
+    nb, ppb, h_kv, page, _ = k_cache.shape
     lay = _smem_layout(d)
     q_desc = GluonDescriptor(q, [t, h_q * d], [q.stride(0), 1], [BLOCK_M, d], lay)
-    rows = [nb * h_kv * page, d]
-    k_desc = GluonDescriptor(k_cache, rows, [d, 1], [BLOCK_N, d], lay)
-    v_desc = GluonDescriptor(v_cache, rows, [d, 1], [BLOCK_N, d], lay)
+    rows = [nb * ppb * h_kv * page, d]
+    box = [min(page, BLOCK_N), d]  # a tile's share of one page; 16 rows keep the swizzle's 8-row atom whole
+    k_desc = GluonDescriptor(k_cache, rows, [d, 1], box, lay)
+    v_desc = GluonDescriptor(v_cache, rows, [d, 1], box, lay)
     return q_desc, k_desc, v_desc
 
 
@@ -378,11 +388,12 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     work items (heaviest first) round robin, so a program's next Q and K/V load while it
     stores the last output."""
     if not checked and not gluon_applies(q, k_cache, v_cache):
-        raise ValueError("prefill_attention_gluon: needs Hopper, bf16, d64/d128, page-128 blocks "
+        raise ValueError("prefill_attention_gluon: needs Hopper, bf16, d64/d128, 128-token tiles of pages "
                          "(check gluon_applies first)")
     t, h_q, d, _, h_kv, page, bsz, max_seqlen_q, _, _ = prefill_shapes(
         q, k_cache, v_cache, cu_seqlens_q, context_lens, max_seqlen_q
     )
+    ppb = k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
@@ -394,6 +405,6 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     _launch(q.device.index, (nprog,), (
         q_desc, k_desc, v_desc, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_q, n_m, n_work, nprog, out.stride(0), out.stride(1),
-        block_tables.stride(0), h_q, h_kv, d, page, BLOCK_M, BLOCK_N, stages, bool(pingpong),
+        block_tables.stride(0), h_q, h_kv, d, page, ppb, BLOCK_M, BLOCK_N, stages, bool(pingpong),
     ), {"num_warps": 4})
     return out

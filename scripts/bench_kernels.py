@@ -15,6 +15,7 @@ installed or, without an install, in this checkout.
     python scripts/bench_kernels.py --prefill-only --budget-s 150 --out DIR  # ~3 min
     python scripts/bench_kernels.py --dry-run --out /tmp/k            # CPU, tiny shapes
     python scripts/bench_kernels.py --fp8-kv --out bench/results/h200-fp8   # fp8 KV, ~1-2 min
+    python scripts/bench_kernels.py --goals --out DIR   # block/decode-2K/KV-write sweeps, ~4 min
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def parse_args(argv=None):
     ap.add_argument("--fp8-kv", action="store_true",
                     help="fp8 (e4m3) KV only: write and attention checks vs the reference, then "
                          "fp8 decode vs the copy of its bytes and vs bf16 decode")
+    ap.add_argument("--goals", action="store_true",
+                    help="decode, block attention and the KV write, then sweeps of their tiles "
+                         "(kernel_bench/goal_sweep.py), skipping prefill")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting new timings after this many seconds")
     return ap.parse_args(argv)
@@ -100,6 +104,7 @@ def main(argv=None) -> int:
     import triton
     from kernel_bench import benchmarks as cases
     from kernel_bench import fp8
+    from kernel_bench.goal_sweep import sweep_goals
     from kernel_bench.sweep import sweep
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -120,7 +125,8 @@ def main(argv=None) -> int:
     if not args.check_only:
         print("## timings", flush=True)
         steps = (cases.bench_prefill,) if args.prefill_only else (cases.bench_copy, fp8.bench_fp8) \
-            if args.fp8_kv else (
+            if args.fp8_kv else (cases.bench_copy, cases.bench_decode, cases.bench_block,
+                                 cases.bench_store) if args.goals else (
             cases.bench_copy, cases.bench_decode, cases.bench_block, cases.bench_prefill,
             cases.bench_store)
         for step in steps:
@@ -129,7 +135,10 @@ def main(argv=None) -> int:
                 continue
             step(run)
             run.checkpoint()
-        if not args.no_sweep and not args.fp8_kv:
+        if args.goals:
+            print("## sweep (issue 34's goals)", flush=True)
+            sweep_goals(run)
+        elif not args.no_sweep and not args.fp8_kv:
             print("## sweep", flush=True)
             sweep(run)
     info["elapsed_s"] = round(time.time() - run.t0, 1)

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     or not PG.gluon_available(), reason="needs a Hopper GPU and a triton with Gluon")]
 
 
-def _inputs(lens, qlens, h_q, h_kv, seed=0, d=128):
-    kc, vc, cl, bt = T.make_paged(lens, h_kv, d, 128, 1, torch.bfloat16, "cuda", seed=seed)
+def _inputs(lens, qlens, h_q, h_kv, seed=0, d=128, page=128, ppb=1):
+    kc, vc, cl, bt = T.make_paged(lens, h_kv, d, page, ppb, torch.bfloat16, "cuda", seed=seed)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
     q = T.randn(sum(qlens), h_q, d, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
@@ -42,6 +42,24 @@ def test_matches_reference(lens, qlens, h_q, h_kv, d, knobs):
     assert T.rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("page,ppb", [(16, 8), (32, 4), (64, 2), (16, 16)])
+@pytest.mark.parametrize("lens,qlens,h_q,h_kv,d", [
+    ([1000, 300, 129], [1000, 44, 1], 32, 8, 128),
+    ([2049, 640], [2049, 8], 16, 2, 128),
+    ([700, 333], [700, 20], 8, 4, 64),
+])
+def test_small_pages_match_reference(page, ppb, lens, qlens, h_q, h_kv, d):
+    """Pages below the 128-token tile: a tile is 128 // page TMA boxes, one per page, each
+    from its own place in the cache (the block's pages are head-major, so a head's pages
+    are H_kv pages apart); a box landing in the wrong rows of the tile is far off."""
+    args = _inputs(lens, qlens, h_q, h_kv, d=d, page=page, ppb=ppb)
+    assert PG.gluon_applies(*args[:3])
+    got = PG.prefill_attention_gluon(*args, d**-0.5, out=torch.full_like(args[0], float("nan")))
+    want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], d**-0.5)
+    assert torch.isfinite(got).all()
+    assert T.rel_err(got, want) < 1e-2
+
+
 def test_a_wrong_head_is_caught():
     """The check above can fail: the same call with K/V heads swapped is far off."""
     args = list(_inputs([300], [300], 8, 2))
@@ -54,11 +72,13 @@ def test_a_wrong_head_is_caught():
 def test_refuses_what_it_cannot_run():
     q, kc, vc, *_ = _inputs([20], [20], 8, 2)
     assert not PG.gluon_applies(q.float(), kc.float(), vc.float())
-    kc16, vc16, _, _ = T.make_paged([20], 2, 128, 16, 8, torch.bfloat16, "cuda")
-    assert not PG.gluon_applies(q, kc16, vc16)
+    kc16, vc16, _, _ = T.make_paged([20], 2, 128, 16, 4, torch.bfloat16, "cuda")
+    assert not PG.gluon_applies(q, kc16, vc16)  # 64-token blocks: a tile would cross blocks
+    kc8, vc8, _, _ = T.make_paged([20], 2, 128, 8, 16, torch.bfloat16, "cuda")
+    assert not PG.gluon_applies(q, kc8, vc8)  # pages below 16 tokens
     q48, kc48, vc48, *_ = _inputs([20], [20], 8, 2, d=48)
     assert not PG.gluon_applies(q48, kc48, vc48)
-    with pytest.raises(ValueError, match="page-128"):
+    with pytest.raises(ValueError, match="128-token tiles"):
         PG.prefill_attention_gluon(q, kc16, vc16, None, None, None, 1.0)
 
 

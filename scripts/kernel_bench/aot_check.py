@@ -58,8 +58,9 @@ def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **op
     return triton.compile(src, target=SM90, options=opts)
 
 
-def gluon_case():
-    """The Gluon prefill at its default settings (d128, page 128), if this triton has Gluon."""
+def gluon_case(page=128, ppb=1):
+    """The Gluon prefill at its default settings (d128; page 128, or a smaller page a
+    tile loads as 128 / page TMA boxes), if this triton has Gluon."""
     if not PG.gluon_available():
         return
     from triton.experimental.gluon import language as gl
@@ -67,9 +68,10 @@ def gluon_case():
 
     lay = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
     desc = f"tensordesc<bf16[128,128],{lay!r}>"
-    consts = dict(H_Q=32, H_KV=8, D=128, PAGE=128, BM=PG.BLOCK_M, BN=PG.BLOCK_N, NS=PG.STAGES,
-                  PINGPONG=PG.PINGPONG)
-    ptrs = dict(q_desc=desc, k_desc=desc, v_desc=desc, cu_ptr="*i32", lens_ptr="*i32",
+    kv_desc = f"tensordesc<bf16[{min(page, 128)},128],{lay!r}>"
+    consts = dict(H_Q=32, H_KV=8, D=128, PAGE=page, PPB=ppb, BM=PG.BLOCK_M, BN=PG.BLOCK_N,
+                  NS=PG.STAGES, PINGPONG=PG.PINGPONG)
+    ptrs = dict(q_desc=desc, k_desc=kv_desc, v_desc=kv_desc, cu_ptr="*i32", lens_ptr="*i32",
                 bt_ptr="*i32", o_ptr=BF)
     return compile_sm90(PG._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),
                         source=GluonASTSource, num_warps=4)
@@ -135,13 +137,13 @@ def cases():
     yield ("copy_plan strided (scatter)", CR._copy_plan_strided_kernel, dict(GROUPS=1, BLOCK=2048, REVERSE=True),
            {**plan, "n_slices": "i64", "parts": "i64"}, dict(num_warps=4), False)
     yield ("store_kv", SK._store_kv_kernel,
-           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
+           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, TOKENS=1),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
            dict(num_warps=4), False)
     # fp8 (e4m3) KV: the quantizing write and the dequantizing decode and pointer prefill.
     f8 = "*fp8e4nv"
     yield ("store_kv fp8", SK._store_kv_kernel,
-           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True),
+           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True, TOKENS=1),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
     yield ("decode fp8", DA._paged_split_kernel,
@@ -187,13 +189,18 @@ def main() -> int:
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B, "
               f"async copies {n_async}, {opts}")
-    k = gluon_case()
-    if k is not None:  # warp-specialised: TMA loads, wgmma, register hand-off between partitions
+    for page, ppb in ((128, 1), (16, 8)):
+        k = gluon_case(page, ppb)
+        if k is None:
+            break
+        # warp-specialised: TMA loads, wgmma, register hand-off between partitions
         ptx = k.asm["ptx"]
-        ok = (k.metadata.shared <= SMEM_LIMIT and "cp.async.bulk.tensor" in ptx
+        boxes = ptx.count("cp.async.bulk.tensor")
+        ok = (k.metadata.shared <= SMEM_LIMIT and boxes > 0
               and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx)
         bad += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} prefill gluon (FA3 schedule): smem {k.metadata.shared} B")
+        print(f"{'ok  ' if ok else 'FAIL'} prefill gluon (FA3 schedule) page{page}: smem "
+              f"{k.metadata.shared} B, {boxes} TMA copies in the PTX")
     return 1 if bad else 0
 
 

@@ -179,7 +179,7 @@ def _paired(run, shape, base_fn, fn, flops, pairs=7) -> None:
 
 def bench_prefill(run) -> None:
     hq, hkv, d = heads(run)
-    for t in ([48] if run.tiny else [2048, 8192]):
+    for t in ([48] if run.tiny else [2048, 8192, 32768]):
         flops = causal_flops(t, hq, d)
         q4 = T.randn(1, hq, t, d, dtype=DT, device=run.dev)
         k = torch.randn(1, hkv, t, d, device=run.dev, dtype=DT)
@@ -200,18 +200,27 @@ def bench_prefill(run) -> None:
                                 max_seqlen_q=t)
                 _paired(run, f"T{t} page{page}", sdpa, gluon, flops)
     if not run.tiny:  # chunked prefill: 2K new tokens after a 6K cached prefix
-        args = prefill_case(run, 2048, 16, 8, prefix=6144)
-        ms = _safe(run, "chunk", prefill_attention, *args, d**-0.5, max_seqlen_q=2048)
-        if ms:
-            run.add("prefill triton chunk", "T2048 after 6144 page16", ms,
-                    flops=causal_flops(2048, hq, d, 6144))
-        args = prefill_case(run, 2048, 128, 1, prefix=6144)
-        if prefill_gluon.gluon_applies(*args[:3]):
-            ms = _safe(run, "chunk gluon", prefill_gluon.prefill_attention_gluon, *args, d**-0.5,
-                       max_seqlen_q=2048)
+        flops = causal_flops(2048, hq, d, 6144)
+        q4 = T.randn(1, hq, 2048, d, dtype=DT, device=run.dev)
+        k = torch.randn(1, hkv, 8192, d, device=run.dev, dtype=DT)
+        # SDPA's baseline: the chunk's rows over all 8K keys, causal from the bottom right
+        mask = torch.ones(2048, 8192, dtype=torch.bool, device=run.dev).tril(6144)
+        base = _safe(run, "chunk sdpa", F.scaled_dot_product_attention, q4, k, k,
+                     attn_mask=mask, enable_gqa=True)
+        if base:
+            run.add("prefill sdpa chunk (mask)", "T2048 after 6144", base, flops=flops)
+        for page, ppb in PAGES:
+            args = prefill_case(run, 2048, page, ppb, prefix=6144)
+            ms = _safe(run, "chunk", prefill_attention, *args, d**-0.5, max_seqlen_q=2048)
             if ms:
-                run.add("prefill gluon chunk", "T2048 after 6144 page128", ms,
-                        flops=causal_flops(2048, hq, d, 6144))
+                run.add("prefill triton chunk", f"T2048 after 6144 page{page}", ms, flops=flops,
+                        baseline=base, note="vs_baseline: sdpa with a mask")
+            if prefill_gluon.gluon_applies(*args[:3]):
+                ms = _safe(run, "chunk gluon", prefill_gluon.prefill_attention_gluon, *args,
+                           d**-0.5, max_seqlen_q=2048)
+                if ms:
+                    run.add("prefill gluon chunk", f"T2048 after 6144 page{page}", ms,
+                            flops=flops, baseline=base, note="vs_baseline: sdpa with a mask")
 
 
 def bench_store(run) -> None:
