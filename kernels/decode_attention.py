@@ -226,15 +226,20 @@ def paged_attention(
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
     block_d = max(16, triton.next_power_of_2(d))
-    if block_n is None:  # fp8: half the bytes per tile, so twice the tokens (1.3x on the H200)
-        block_n = (128 if quant else 64) if block_m <= 64 else 32
+    nx = 0 if k_extra is None else k_extra.shape[1]
+    if block_n is None:
+        # fp8: half the bytes per tile, so twice the tokens (1.3x on the H200). A 16-bit
+        # DSpark block (32 rows at K=8 x GQA 4): 128-token tiles halve the loop's softmax
+        # and rescale steps per byte, 1.36x the 64-token tile on the H200 (1.06-1.09x a
+        # decode step, bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages.
+        wide = quant or (nx > 0 and q.element_size() <= 2)
+        block_n = (128 if wide else 64) if block_m <= 64 else 32
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
         num_stages = 4 if q.is_cuda else 1  # fastest on the H200 at B64 x 8 heads (bn64 w4 st4 splits1)
     if num_splits is None:
         num_splits = default_splits(bsz, h_kv, q.device, max_context)
-    nx = 0 if k_extra is None else k_extra.shape[1]
     if nx:
         assert k_extra.stride() == v_extra.stride() and k_extra.stride(-1) == 1
         x_strides = k_extra.stride()[:3]
