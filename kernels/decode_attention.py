@@ -22,6 +22,8 @@ H200: bench/RESULTS.md).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -198,9 +200,14 @@ def _merge_splits_kernel(
     tl.store(o_ptr + r * s_or + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
+# The most splits a sequence is cut into. PDFLOW_ATTN_MAX_SPLITS overrides it, so that a
+# bench can set it in every rank of a deployment (scripts/bench_spec_decode.py A/B runs).
+MAX_SPLITS = int(os.environ.get("PDFLOW_ATTN_MAX_SPLITS", "16"))
+
+
 def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int | None) -> int:
     """Enough programs to fill the GPU about twice, never splits shorter than 256 tokens."""
-    splits = max(1, min(16, triton.cdiv(2 * sm_count(device, cpu=132), batch * h_kv)))
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(2 * sm_count(device, cpu=132), batch * h_kv)))
     if max_context is not None:
         splits = max(1, min(splits, triton.cdiv(max_context, 256)))
     return splits

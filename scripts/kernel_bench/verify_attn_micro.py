@@ -20,7 +20,8 @@ from paged_inputs import random_paged  # noqa: E402
 from small_m_micro import graph_us  # noqa: E402
 
 
-def sweep(ctx: int, nq: int, h_q: int, h_kv: int, d: int, page: int, ppb: int) -> None:
+def sweep(ctx: int, nq: int, h_q: int, h_kv: int, d: int, page: int, ppb: int,
+          grid=((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4), (1, 2, 3))) -> None:
     dev = torch.device("cuda")
     kc, vc, lens, bt = random_paged(1, ctx, h_kv, d, page, ppb, torch.float32, dev)
     q = torch.randn(1, nq, h_q, d, device=dev)
@@ -34,7 +35,7 @@ def sweep(ctx: int, nq: int, h_q: int, h_kv: int, d: int, page: int, ppb: int) -
     auto = default_splits(1, h_kv, dev, None)
     want = paged_attention(q, kc, vc, lens, bt, scale).clone()
     rows = []
-    for splits, bn, warps, stages in itertools.product((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4), (1, 2, 3)):
+    for splits, bn, warps, stages in itertools.product(*grid):
         tune = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
         got = paged_attention(q, kc, vc, lens, bt, scale, **tune)
         err = float((got - want).abs().max())
@@ -50,9 +51,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ctx", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--nq", type=int, default=8)
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
     for ctx in args.ctx:
-        sweep(ctx, args.nq, 8, 4, 64, 16, 8)
+        sweep(ctx, args.nq, 8, 4, 64, 16, 8,
+              (args.splits, (16, 32, 64), args.warps, args.stages))
 
 
 if __name__ == "__main__":
