@@ -200,9 +200,11 @@ def _merge_splits_kernel(
     tl.store(o_ptr + r * s_or + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-# The most splits a sequence is cut into. PDFLOW_ATTN_MAX_SPLITS overrides it, so that a
-# bench can set it in every rank of a deployment (scripts/bench_spec_decode.py A/B runs).
-MAX_SPLITS = int(os.environ.get("PDFLOW_ATTN_MAX_SPLITS", "16"))
+# The most splits a sequence is cut into: only a grid of fewer than ~17 (sequence, KV head)
+# pairs reaches it. 32: the fp32 verify of batch 1 (8 rows, 4 KV heads, 2K context) takes
+# 7.8-8.6 us at 32 splits against 12.4 us at 16 on the H200 (bench/RESULTS.md, issue 34).
+# PDFLOW_ATTN_MAX_SPLITS overrides it in every rank of a deployment, for A/B benches.
+MAX_SPLITS = int(os.environ.get("PDFLOW_ATTN_MAX_SPLITS", "32"))
 
 
 def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int | None) -> int:
