@@ -202,7 +202,7 @@ def _merge_splits_kernel(
 
 # The most splits a sequence is cut into: only a grid of fewer than ~17 (sequence, KV head)
 # pairs reaches it. 32: the fp32 verify of batch 1 (8 rows, 4 KV heads, 2K context) takes
-# 7.8-8.6 us at 32 splits against 12.4 us at 16 on the H200 (bench/RESULTS.md, issue 34).
+# 7.8-8.6 us at 32 splits against 12.4 us at 16 on the H200 (bench/KERNEL_NOTES.md).
 # PDFLOW_ATTN_MAX_SPLITS overrides it in every rank of a deployment, for A/B benches.
 MAX_SPLITS = int(os.environ.get("PDFLOW_ATTN_MAX_SPLITS", "32"))
 
