@@ -101,6 +101,28 @@ def test_backend_failures_become_502():
         assert json.loads(events[-1])["error"]["code"] == "backend_error"
 
 
+def unavailable_backend() -> FastAPI:
+    """Answers 503 without Retry-After, as an instance whose engine is down does."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def down():
+        return JSONResponse({"error": {"message": "engine is not running: boom", "type": "service_unavailable",
+                                       "param": None, "code": "engine_down"}}, status_code=503)
+
+    return app
+
+
+def test_a_backends_own_503_passes_through_with_its_reason():
+    """Not a 502 "bad gateway": the backend answered, and its reason is the client's."""
+    with ServerThread(unavailable_backend()) as down, router([down.url]) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 503 and "retry-after" not in r.headers
+        assert r.json()["error"]["code"] == "engine_down"
+        assert "engine is not running" in r.json()["error"]["message"]
+        assert f'backend="{down.url}",outcome="unavailable"' in httpx.get(url + "/metrics").text
+
+
 def test_router_key_and_backend_key(tiny_server):
     with router([tiny_server.keyed_url], api_key="sk-router", backend_api_key=KEY) as url:
         assert httpx.get(url + "/v1/models").status_code == 401

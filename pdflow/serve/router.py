@@ -5,8 +5,10 @@ With ``prefill`` URLs the backends are decode instances, and each generation req
 goes to one with a prefill instance named in its ``x-pdflow-prefill`` header, which has
 that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passes
 through; an unreachable backend is skipped for the next (none: 503); a failed one (5xx,
-a cut stream) gives 502, except its own 503 with ``Retry-After`` (overloaded), which
-passes through. Every error has the OpenAI shape.
+a cut stream) gives 502, except its own 503 (overloaded, with ``Retry-After``; or
+unavailable: its engine down, stopping or lost, a request timed out), which passes through
+with its body, so the client reads the backend's reason rather than "bad gateway". Every
+error has the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -133,10 +135,11 @@ def create_router(backends: list[str], *, api_key: str | None = None,
             await answer.aclose()
         finally:
             done()
-        if answer.status_code == 503 and "retry-after" in answer.headers:
-            count(backend, "overloaded")
+        if answer.status_code == 503:  # the backend's own refusal: its reason passes through
+            retry = answer.headers.get("retry-after")
+            count(backend, "overloaded" if retry is not None else "unavailable")
             return Response(content, status_code=503, media_type=answer.headers.get("content-type"),
-                            headers={"Retry-After": answer.headers["retry-after"]})
+                            headers={"Retry-After": retry} if retry is not None else None)
         if answer.status_code >= 500:
             count(backend, "failed")
             raise APIError(502, f"backend {backend} answered {answer.status_code}: "
