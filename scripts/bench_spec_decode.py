@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import statistics
 import sys
 import time
 
@@ -75,8 +76,10 @@ def acceptance(args, kind: str, layout: str, prompts: list[str], reference: list
 
 def speed(args, kind: str, batch: int, prompts: list[str], extra: tuple[str, ...] = ()) -> tuple[float, str, str]:
     """Output tokens per second of a batch decoding ``speed_tokens`` each (EOS ignored),
-    how many of its drafted steps ran whole as a captured graph ("m/n"), and what the
-    timed run's steps did (paths, graphed, kernels built, slowest step)."""
+    the median of ``args.repeats`` timed runs of one warm instance (a short run on a
+    shared host swings; the range goes into the trace line), how many of the first timed
+    run's drafted steps ran whole as a captured graph ("m/n"), and what its steps did
+    (paths, graphed, kernels built, slowest step)."""
     params = SamplingParams(temperature=0.0, max_tokens=args.speed_tokens, ignore_eos=True)
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
     overrides = [*_base(args, kind), *LAYOUTS["single"], f"decode.max_num_seqs={max(batch, 1)}", *extra]
@@ -91,16 +94,22 @@ def speed(args, kind: str, batch: int, prompts: list[str], extra: tuple[str, ...
         # StepTrace times whole steps: an overlap-scheduled instance (no drafter, one GPU)
         # runs untraced, as it serves.
         overlap = getattr(d.consumer.instance.executor, "overlap", False)
-        with contextlib.nullcontext() if overlap else StepTrace(d.consumer) as trace:
-            start = time.perf_counter()
-            outs = d.generate(chosen, params)
-            elapsed = time.perf_counter() - start
-    rate = sum(len(o.token_ids) for o in outs) / elapsed
+        rates, trace = [], None
+        for i in range(max(1, args.repeats)):
+            traced = not overlap and i == 0  # the first timed run's steps, traced
+            with StepTrace(d.consumer) if traced else contextlib.nullcontext() as tracing:
+                start = time.perf_counter()
+                outs = d.generate(chosen, params)
+                elapsed = time.perf_counter() - start
+            trace = tracing if traced else trace
+            rates.append(sum(len(o.token_ids) for o in outs) / elapsed)
+    rate = statistics.median(rates)
+    spread = f" (median of {len(rates)}: {min(rates):.0f}-{max(rates):.0f} tok/s)" if len(rates) > 1 else ""
     if trace is None:
-        return rate, "-", f"- batch {batch} {kind}: overlap scheduling (steps not traced)"
+        return rate, "-", f"- batch {batch} {kind}{spread}: overlap scheduling (steps not traced)"
     drafted = [r for r in trace.records if r.drafted]
     graphed = f"{sum(r.drafted_graph for r in drafted)}/{len(drafted)}"
-    return rate, graphed, f"- batch {batch} {kind}: {trace.summary()}"
+    return rate, graphed, f"- batch {batch} {kind}{spread}: {trace.summary()}"
 
 
 def main() -> None:
@@ -114,6 +123,8 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--speed-only", action="store_true", help="skip the acceptance table")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per instance after its warm-up; the table shows their median")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. model.dtype=bf16)")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
@@ -142,7 +153,8 @@ def acceptance_table(args, kinds: list[str], prompts: list[str]) -> None:
 
 
 def speed_table(args, kinds: list[str], prompts: list[str]) -> None:
-    print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request")
+    print(f"\n# decode output tokens/s, one instance, {args.speed_tokens} tokens per request, "
+          f"median of {args.repeats} timed runs after the warm-up")
     print("(none: without a drafter, overlap scheduling on (auto) and off; each ratio is against the faster. "
           "Drafted graphs: the timed run's drafted steps that ran whole as one captured graph)")
     print("| batch | none, overlap | none, no overlap | " + " | ".join(f"{k} | {k}/none | {k} drafted graphs" for k in kinds)
