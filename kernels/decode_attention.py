@@ -96,7 +96,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    SW: tl.constexpr, F8_F16: tl.constexpr,
+    SW: tl.constexpr, F8_F16: tl.constexpr, V_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,7 +143,15 @@ def _paged_split_kernel(
             sk = scales_of(ek, ok, BLOCK_N)
             sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
-            v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if V_T:  # each head page stored [D, PAGE]: a column of V is PAGE contiguous tokens
+                t_in = pos % PAGE
+                v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
+                # no token mask (it would split the contiguous runs): a token past the context
+                # reads a real page (block 0 at worst) and is zeroed, NaN or not, below
+                v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
+                v = tl.where(ok[:, None], v.to(q8.dtype), 0.0)
+            else:
+                v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
@@ -218,19 +226,23 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None,
+    num_warps=None, num_stages=None, out=None, v_transposed=False,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
-    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8)."""
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8).
+    ``v_transposed`` (fp8 only, an experiment not yet measured on a GPU): ``v_cache`` holds
+    each head page as [D, page] (tokens contiguous), viewed with ``k_cache``'s shape, so
+    the PV dot's operand needs no 8-bit transpose in shared memory."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     # a scale's offset is its token-head's element offset / D
     quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, context_lens)
+    assert quant or not v_transposed, "v_transposed: fp8 caches only"
     group = h_q // h_kv
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
@@ -284,7 +296,7 @@ def paged_attention(
         PAGE=page, PPB=ppb, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
-        QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
+        QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16, V_T=v_transposed,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

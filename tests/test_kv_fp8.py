@@ -189,6 +189,50 @@ def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
+def _transposed_v_decode(splits, dtype, dev):
+    nb, h, page, ppb, d = 40, 2, 16, 2, 64
+    gen = torch.Generator().manual_seed(11)
+    bt = torch.randperm(nb, generator=gen)[:36].view(3, 12).int()
+    lens = torch.tensor([384, 301, 1], dtype=torch.int32)
+    slots = torch.cat([bt[b].long().repeat_interleave(ppb * page)[:n] * ppb * page
+                       + torch.arange(n) % (ppb * page) for b, n in enumerate(lens.tolist())])
+    caches = [torch.full((nb, ppb, h, page, dd), 0x7F, dtype=torch.uint8).view(t) if t == FP8 else
+              torch.zeros(nb, ppb, h, page, dd, dtype=t) for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1),
+                                                                       (torch.uint8, 1))]
+    k = torch.randn(len(slots), h, d, generator=gen) * torch.tensor([2.0, 0.3])[None, :, None]
+    v = torch.randn(len(slots), h, d, generator=gen)
+    ref.store_kv(k, v, *caches[:2], slots, *caches[2:])
+    kc, vc, ks, vs = caches
+    v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)  # the same bytes per head page, [D, page]
+    q = torch.randn(3, 4, d, generator=gen).to(dtype)
+    want = ref.decode_attention(q.double(), kc, vc, lens, bt, 0.125, ks, vs)
+    args = (q.to(dev), kc.to(dev), v_t.to(dev), lens.to(dev), bt.to(dev), 0.125, ks.to(dev), vs.to(dev))
+    got = decode_attention(*args, num_splits=splits, v_transposed=True)
+    assert torch.isfinite(got).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    # read as if not transposed, the same bytes are another layout's: far off
+    wrong = decode_attention(*args, num_splits=splits)
+    assert not torch.allclose(wrong.cpu().double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("splits,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
+def test_fp8_decode_reads_a_transposed_v_cache(splits, dtype):
+    """``v_transposed``: each head page of V stored [D, page], over shuffled blocks,
+    contexts ending mid-page and mid-tile. Its V loads carry no token mask, so every slot
+    past a context is poisoned with e4m3 NaN (0x7F); the kernel zeroes those rows. (The
+    interpreter reads 0x7F as 480, so on CPU a missing zeroing would not show: p is exactly
+    0 there; the GPU test below sees the NaN.)"""
+    _transposed_v_decode(splits, dtype, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gpu_fp8_decode_reads_a_transposed_v_cache_and_zeroes_the_nan_tail(splits):
+    _transposed_v_decode(splits, torch.bfloat16, "cuda")
+
+
 def test_fp8_decode_with_a_bf16_query():
     """A bf16 q (the GPU's dtype; the dots then run in fp16, where e4m3 and bf16 values
     are exact) stays within bf16's rounding of the reference; another head's scales are

@@ -42,7 +42,7 @@ BF = "*bf16"
 # The fp8 KV cache's per-(token, head) scale caches (e8m0 bytes) and the constexprs of the
 # kernels that read or write them: a case that does not say compiles the unquantized path.
 SCALE_PTRS = {"ks_ptr": "*u8", "vs_ptr": "*u8"}
-QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False}
+QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False, "V_T": False}
 
 
 def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **opts):

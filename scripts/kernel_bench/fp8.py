@@ -104,6 +104,15 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
+            # the V^T experiment: each head page of V stored [D, page] (the same bytes moved)
+            v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)
+            fn = partial(decode_attention, q, kc, v_t, cl, bt, d**-0.5, ks, vs, v_transposed=True)
+            check_close(run, f"fp8 decode V^T ctx{ctx} page{page}", fn(),
+                        decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs), DT)
+            run.add("decode triton fp8 kv V^T", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                    note="vs_baseline: fp8 decode over V stored [page, D] (the default)")
+            del v_t
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
