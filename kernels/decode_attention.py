@@ -146,10 +146,11 @@ def _paged_split_kernel(
             if V_T:  # each head page stored [D, PAGE]: a column of V is PAGE contiguous tokens
                 t_in = pos % PAGE
                 v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
-                # no token mask (it would split the contiguous runs): a token past the context
-                # reads a real page (block 0 at worst) and is zeroed, NaN or not, below
+                # No token mask (it would split the contiguous runs) and no zeroing (an
+                # elementwise op on V sends the tile through shared memory again in 16 bits):
+                # a token past the context reads a real page (block 0 at worst) whose bytes
+                # the writer never leaves NaN (kv_quant), and its p is exactly 0.
                 v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
-                v = tl.where(ok[:, None], v.to(q8.dtype), 0.0)
             else:
                 v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,

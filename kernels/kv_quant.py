@@ -11,6 +11,11 @@ part ways), and dequantizing (``fp8 -> fp32 * 2^s``) is exact: the Triton kernel
 the ``torch`` backend and this reference agree bit for bit on what is stored and on every
 dequantized value. The exponent comes from the float's bits (no log2), which the Triton
 kernels compute the same way (kernels/store_kv.py).
+
+A row holding a NaN or an infinity is stored as zeros with the exponent byte 255 (its
+scale 2^128 is infinite): read in context it still poisons the attention (0 x inf), while
+the value bytes of a cache never hold an e4m3 NaN, so a kernel may read slots past a
+context unmasked (stale rows of a block's earlier owner included) and zero them by p = 0.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ FP8 = torch.float8_e4m3fn
 HEADROOM_BITS = 7
 MIN_EXP, MAX_EXP = 1, 253
 MIN_NORMAL = 2.0**-6  # e4m3's smallest normal; scaled values below it are stored as 0
+NONFINITE_EXP = 255  # a row with a NaN or inf: zeros under an infinite scale
 
 __all__ = ["FP8", "dequantize", "exp2_biased", "quantize"]
 
@@ -39,8 +45,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = e.clamp(MIN_EXP, MAX_EXP)
     inv = exp2_biased(254 - e)
     y = xf * inv[..., None]
-    y = torch.where(y.abs() < MIN_NORMAL, 0.0, y)
-    return y.to(FP8), e.to(torch.uint8)
+    bad = ~torch.isfinite(xf).all(dim=-1)
+    y = torch.where((y.abs() < MIN_NORMAL) | bad[..., None], 0.0, y)
+    return y.to(FP8), torch.where(bad, NONFINITE_EXP, e).to(torch.uint8)
 
 
 def dequantize(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ each get their own specialised binary with the slot arithmetic folded to shifts.
 
 An fp8 cache (with its scale caches) is quantized here as kernels/kv_quant.py does: each
 (token, head)'s exponent from the bits of its amax, the values times an exact power of
-two, rounded to e4m3; the scale caches share the cache's layout with D = 1, so a
-token-head's scale sits at its first element's offset divided by D.
+two, rounded to e4m3 (a row with a NaN or inf as zeros under exponent 255, as there); the
+scale caches share the cache's layout with D = 1, so a token-head's scale sits at its first
+element's offset divided by D.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import triton
 import triton.language as tl
 
 from ._common import kv_scales
-from .kv_quant import HEADROOM_BITS, MIN_NORMAL
+from .kv_quant import HEADROOM_BITS, MIN_NORMAL, NONFINITE_EXP
 from .reference import store_kv as store_kv_reference
 
 _MIN_NORMAL = tl.constexpr(MIN_NORMAL)  # a jit function reads only constexpr globals
+_NONFINITE_EXP = tl.constexpr(NONFINITE_EXP)
 
 __all__ = ["store_kv", "store_kv_reference"]
 
@@ -40,12 +42,15 @@ def _round_e4m3(y):
 @triton.jit
 def _quantized(x, HEADROOM: tl.constexpr):
     """x [BLOCK_H, BLOCK_D] (fp32, padding 0) -> (values / 2^s per row rounded to e4m3,
-    biased exponent)."""
+    biased exponent); a row with a NaN or inf (exponent bits all ones; tested on the bits,
+    as a max may drop a NaN) -> zeros, exponent 255."""
+    bad = tl.max((((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) == 0xFF).to(tl.int32), axis=1) > 0
     amax = tl.max(tl.abs(x), axis=1)
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - HEADROOM
     e = tl.minimum(tl.maximum(e, 1), 253)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    return _round_e4m3(x * inv[:, None]), e
+    y = tl.where(bad[:, None], 0.0, _round_e4m3(x * inv[:, None]))
+    return y, tl.where(bad, _NONFINITE_EXP, e)
 
 
 @triton.jit

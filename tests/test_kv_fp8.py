@@ -152,6 +152,57 @@ def test_triton_store_bf16_input_writes_the_references_bytes():
     assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want), strict=True))
 
 
+def _nonfinite_kv(seed=5):
+    """_kv's rows with a NaN, a +inf and a -inf planted in some token-heads of K and V."""
+    slots, k, v = _kv(seed)
+    k[4, 0, 7], k[9, 1, 0], v[4, 1, 3], v[20, 0, 63] = float("nan"), float("inf"), -float("inf"), float("nan")
+    return slots, k, v
+
+
+def _no_nan_bytes(cache):
+    return not ((cache.view(torch.uint8) & 0x7F) == 0x7F).any()  # e4m3fn's NaNs: 0x7F, 0xFF
+
+
+def test_a_nonfinite_row_is_stored_as_zeros_under_an_infinite_scale():
+    """A row with a NaN or inf leaves no e4m3 NaN in the cache (a kernel may read stale
+    slots past a context unmasked) and stays visible in context: the torch backend, the
+    reference and the Triton write agree on its bytes, and its dequantized row is NaN."""
+    slots, k, v = _nonfinite_kv()
+    want, got, kern = _caches(), _caches(), _caches(DEV)
+    ref.store_kv(k, v, *want[:2], slots, *want[2:])
+    TorchBackend().store_kv(k, v, *got[:2], slots, *got[2:])
+    store_kv(k.to(DEV), v.to(DEV), *kern[:2], slots.to(DEV), *kern[2:])
+    for other in (got, kern):
+        assert all(torch.equal(a, b) for a, b in zip(_bytes(other), _bytes(want), strict=True))
+    assert _no_nan_bytes(want[0]) and _no_nan_bytes(want[1])
+    planted = {(0, 4, 0), (0, 9, 1), (1, 4, 1), (1, 20, 0)}  # (K or V, token, head)
+    for field in (0, 1):
+        for i, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            b, r = divmod(slot, PPB * PAGE)
+            for h in range(H):
+                at = (b, r // PAGE, h, r % PAGE)
+                data, scale = want[field][at], int(want[2 + field][at])
+                if (field, i, h) in planted:
+                    assert scale == 255 and not data.float().any()
+                    assert dequantize(data[None], torch.tensor([scale], dtype=torch.uint8)).isnan().all()
+                else:  # every other row exactly as quantized alone
+                    q, e = quantize((k, v)[field][i, h][None])
+                    assert scale == int(e) and torch.equal(data.view(torch.uint8), q[0].view(torch.uint8))
+
+
+def test_a_nonfinite_row_in_context_poisons_only_its_own_sequence():
+    kc, vc, ks, vs = _filled()
+    # sequence 0's token 5, head 1: a NaN V written through the writer
+    ref.store_kv(torch.randn(1, H, D), torch.full((1, H, D), float("nan")), kc, vc,
+                 torch.tensor([int(BT[0, 0]) * PPB * PAGE + 5]), ks, vs)
+    q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(2))
+    got = decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), LENS.to(DEV), BT.to(DEV), 0.125,
+                           ks.to(DEV), vs.to(DEV)).cpu()
+    assert got[0].isnan().all() and torch.isfinite(got[1]).all()
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(splits):
     """Scales on score/p columns, read a page row at a time (tiles of 128 span pages of 16,
@@ -190,19 +241,27 @@ def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
 
 
 def _transposed_v_decode(splits, dtype, dev):
+    """Every slot first holds a stale row written by the writer (NaN and inf rows among
+    them, as a block's earlier owner may leave), then the contexts are written over; the
+    transposed-V decode reads the stale slots past each context unmasked."""
     nb, h, page, ppb, d = 40, 2, 16, 2, 64
     gen = torch.Generator().manual_seed(11)
     bt = torch.randperm(nb, generator=gen)[:36].view(3, 12).int()
     lens = torch.tensor([384, 301, 1], dtype=torch.int32)
+    caches = [torch.zeros(nb, ppb, h, page, dd, dtype=t, device=dev)
+              for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1), (torch.uint8, 1))]
+    every = torch.arange(nb * ppb * page)
+    stale_k, stale_v = (torch.randn(len(every), h, d, generator=gen) * 1e4 for _ in range(2))
+    stale_v[::3, 0, 5], stale_v[1::3, 1, 0] = float("nan"), float("inf")
+    write = store_kv if dev == "cuda" else ref.store_kv  # the interpreter's writes are slow; equal bytes
+    write(stale_k.to(dev), stale_v.to(dev), *caches[:2], every.to(dev), *caches[2:])
     slots = torch.cat([bt[b].long().repeat_interleave(ppb * page)[:n] * ppb * page
                        + torch.arange(n) % (ppb * page) for b, n in enumerate(lens.tolist())])
-    caches = [torch.full((nb, ppb, h, page, dd), 0x7F, dtype=torch.uint8).view(t) if t == FP8 else
-              torch.zeros(nb, ppb, h, page, dd, dtype=t) for t, dd in ((FP8, d), (FP8, d), (torch.uint8, 1),
-                                                                       (torch.uint8, 1))]
     k = torch.randn(len(slots), h, d, generator=gen) * torch.tensor([2.0, 0.3])[None, :, None]
     v = torch.randn(len(slots), h, d, generator=gen)
-    ref.store_kv(k, v, *caches[:2], slots, *caches[2:])
-    kc, vc, ks, vs = caches
+    write(k.to(dev), v.to(dev), *caches[:2], slots.to(dev), *caches[2:])
+    kc, vc, ks, vs = (c.cpu() for c in caches)
+    assert _no_nan_bytes(vc)
     v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)  # the same bytes per head page, [D, page]
     q = torch.randn(3, 4, d, generator=gen).to(dtype)
     want = ref.decode_attention(q.double(), kc, vc, lens, bt, 0.125, ks, vs)
@@ -219,17 +278,16 @@ def _transposed_v_decode(splits, dtype, dev):
 @pytest.mark.parametrize("splits,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
 def test_fp8_decode_reads_a_transposed_v_cache(splits, dtype):
     """``v_transposed``: each head page of V stored [D, page], over shuffled blocks,
-    contexts ending mid-page and mid-tile. Its V loads carry no token mask, so every slot
-    past a context is poisoned with e4m3 NaN (0x7F); the kernel zeroes those rows. (The
-    interpreter reads 0x7F as 480, so on CPU a missing zeroing would not show: p is exactly
-    0 there; the GPU test below sees the NaN.)"""
+    contexts ending mid-page and mid-tile, its V loads unmasked by token over stale rows."""
     _transposed_v_decode(splits, dtype, DEV)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("splits", [1, 2])
-def test_gpu_fp8_decode_reads_a_transposed_v_cache_and_zeroes_the_nan_tail(splits):
+def test_gpu_fp8_decode_reads_a_transposed_v_cache_over_stale_nonfinite_rows(splits):
+    """On the GPU an e4m3 NaN byte past a context would turn p = 0 into NaN (the
+    interpreter reads 0x7F as 480): the writer's zeros-under-inf-scale rows keep it finite."""
     _transposed_v_decode(splits, torch.bfloat16, "cuda")
 
 

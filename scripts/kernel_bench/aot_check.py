@@ -150,6 +150,10 @@ def cases():
            {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
             "F8_F16": True},
            {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
+    yield ("decode fp8 V^T", DA._paged_split_kernel,
+           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
+            "F8_F16": True, "V_T": True},
+           {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
     yield ("prefill fp8", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64, "QUANT": True},
            {**pre, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=8, num_stages=2), False)
 
