@@ -18,7 +18,7 @@ from pdflow.bench.workloads.goodput import at_rate, attainment, meets, search, s
 from pdflow.bench.workloads.runner import goodput_of
 from pdflow.spec import SloSpec, WorkloadSpec
 
-SERVICE_S = 0.05  # capacity: 20 requests per second
+SERVICE_S = 0.1  # capacity: 10 requests per second (long beside a loaded host's jitter)
 
 
 def _result(ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestResult:
@@ -124,12 +124,11 @@ def stub_server():
 
 
 def test_goodput_converges_to_the_stub_servers_capacity(stub_server):
-    """Evenly spaced arrivals: below 20/s nothing queues (TTFT = 50 ms); above it the
+    """Evenly spaced arrivals: below 10/s nothing queues (TTFT = 100 ms); above it the
     queue grows by (SERVICE_S - 1/rate) per request, and with 30 requests the 27th
-    waits past the 200 ms SLO from about 22.6/s on (the margin absorbs a loaded host's jitter).
-    The search must land near 20/s, not
-    at its start (8/s) or its cap (128/s)."""
-    slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=8.0, max_rate=128.0, rel_tol=0.1,
+    waits past the 400 ms SLO from about 11.3/s on (the margin absorbs a loaded host's jitter).
+    The search must land near 10/s, not at its start (4/s) or its cap (64/s)."""
+    slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=4.0, max_rate=64.0, rel_tol=0.1,
                   max_probes=8, arrivals="uniform")
     spec = WorkloadSpec(kind="serve", num_requests=30, slo=slo, progress=False)
     requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(30)]
@@ -152,14 +151,14 @@ def test_a_sustained_probe_repeats_untimed_requests_and_leaves_a_trace_alone():
 
 
 def test_a_burst_hides_the_capacity_a_sustained_probe_finds(stub_server):
-    """Four requests at any rate finish within the SLO on the 20/s stub (the fourth waits
-    ~150 ms of 200): goodput without ``probe_s`` is the search's cap, not the server's
-    capacity. With ``probe_s`` each rate lasts 1.5 s and the search lands near 20/s."""
+    """Four requests at any rate finish within the SLO on the 10/s stub (the fourth waits
+    ~300 ms of 400): goodput without ``probe_s`` is the search's cap, not the server's
+    capacity. With ``probe_s`` each rate lasts 1.5 s and the search lands near 10/s."""
     requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(4)]
     capacity = 1 / SERVICE_S
     found = {}
     for probe_s in (None, 1.5):
-        slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=8.0, max_rate=64.0, rel_tol=0.1,
+        slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=4.0, max_rate=32.0, rel_tol=0.1,
                       max_probes=8, arrivals="uniform", probe_s=probe_s)
         spec = WorkloadSpec(kind="serve", num_requests=4, slo=slo, progress=False)
         found[probe_s] = asyncio.run(goodput_of(Target(url=stub_server, model="stub"), requests, spec))
