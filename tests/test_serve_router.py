@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from serve_fixtures import KEY, MODEL, PROMPTS, N
 
-from pdflow.serve.router import RoundRobin, create_router
+from pdflow.serve.router import create_router
+from pdflow.serve.router_policy import RoundRobin
 from pdflow.serve.server import ServerThread
 
 

@@ -30,10 +30,10 @@ from pdflow.serve.errors import APIError, error_body
 from pdflow.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdflow.serve.openapi import install_openapi
 from pdflow.serve.pd_wire import PREFILL_HEADER
-from pdflow.serve.router_policy import Chooser, RoundRobin, poll_free
+from pdflow.serve.router_policy import Chooser, poll_free
 from pdflow.spec.router import RouterSpec
 
-__all__ = ["RoundRobin", "create_router"]
+__all__ = ["create_router"]
 
 FORWARDED_HEADERS = ("content-type", "accept")
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
