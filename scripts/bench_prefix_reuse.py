@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """P/D prefix reuse at ~80% reuse vs reuse off, and prefix-aware vs round-robin routing.
 
-``--mode separate`` (default, CPU): one prefill and two decode instances, each its own
+``--mode separate`` (default, CPU): one prefill and two (``--decodes``) decode instances, each its own
 ``pdflow serve`` process, behind a router; ``workload=multiturn`` (conversations whose
 later turns repeat ``--reuse`` of their prompt) driven over HTTP. Phases, each with two
 fresh decode instances and a seed of its own (the one prefill instance's cache then never
@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--local", type=int, default=64, help="router.local_prefill_tokens of the on+local phase")
+    p.add_argument("--decodes", type=int, default=2,
+                   help="separate mode: decode instances (the acceptance's 2; with more, round robin "
+                        "lands on the instance holding a conversation's last turn less often)")
     p.add_argument("--phases", default="off,on,on+local,rr,none", help="separate mode: which phases to run")
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
     return p.parse_args()
@@ -118,6 +121,15 @@ def workload_spec(args, seed: int):
                         seed=seed, progress=False)
 
 
+def workload_bounds(args) -> tuple[float, float]:
+    """The hit rate a perfect router gets and random placement's, for the on phase's seed."""
+    from pdflow.bench.workloads import build_workloads
+    from pdflow.bench.workloads.multiturn import hit_rate_bounds
+
+    (w,) = build_workloads(workload_spec(args, seed=20), vocab=128, block_tokens=16)
+    return hit_rate_bounds(w.requests(), args.decodes, 16)
+
+
 def drive_phase(args, router: str, prefill: str, seed: int) -> dict:
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
 
@@ -151,7 +163,7 @@ def separate(args) -> dict[str, dict]:
                 stop(procs)
                 procs[:] = [start("prefill", *extra, *args.set)]
                 prefill = url_of(procs[-1])
-            decode = [start("decode", *extra, *args.set) for _ in range(2)]
+            decode = [start("decode", *extra, *args.set) for _ in range(args.decodes)]
             urls = [url_of(d) for d in decode]
             for i, (policy, label) in enumerate(policies.items()):
                 router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
@@ -221,6 +233,10 @@ def main() -> None:
     if "rr" in out and on:
         print(f"decode hit rate prefix/rr: {on['hit_rate']:.3f} / {out['rr']['hit_rate']:.3f} = "
               f"{on['hit_rate'] / max(out['rr']['hit_rate'], 1e-9):.2f}x (goal >= 1.5x)")
+    if args.mode == "separate" and ("rr" in out or on):
+        best, rand = workload_bounds(args)
+        print(f"this workload's bounds at {args.decodes} decode instances (no eviction): best {best:.3f}, "
+              f"random placement {rand:.3f} = {best / rand:.2f}x apart")
     if "no-reuse-workload" in out and on:
         print(f"TTFT p50 at {args.reuse:.0%} reuse / no-reuse workload: "
               f"{on['ttft_p50'] / out['no-reuse-workload']['ttft_p50']:.3f}x")

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.bench.workloads import RequestResult, Target, WorkloadFailed, build_workloads, drive, prepare
 from pdflow.bench.workloads.load import TraceError
+from pdflow.bench.workloads.multiturn import hit_rate_bounds
 from pdflow.bench.workloads.runner import run_workloads
 from pdflow.bench.workloads.stats import draft_metrics, latency_metrics, percentile
 from pdflow.serve.server import ServerThread
@@ -211,3 +212,21 @@ def test_multiturn_later_turns_repeat_the_turn_before_in_round_order():
     task, _ = w.score(reqs[:2], [ok(prompt_tokens=80, cached_tokens=64), ok(prompt_tokens=64, cached_tokens=0)])
     assert task["multiturn_cache_hit_rate"] == pytest.approx(64 / 144)
     assert task["multiturn_kv_bytes_per_request"] == pytest.approx((1 + 4) * 100 / 2)
+
+
+def test_multiturn_hit_rate_bounds_the_routing_ratio_by_the_workloads_shape():
+    """One instance: placing at random is the best (every turn meets its previous one).
+    The best is each turn's previous prompt in full blocks over all prompt tokens; with
+    more instances random placement finds less (the acceptance's 2 at 80%: ~1.3x apart)."""
+    (w,) = build_workloads(spec(kind="multiturn", num_requests=30, conversations=5, prompt_tokens=128,
+                                prefix_reuse=0.8, max_tokens=3), vocab=128, block_tokens=16)
+    reqs = w.requests()
+    best, one = hit_rate_bounds(reqs, 1, 16, trials=50)
+    assert one == pytest.approx(best)
+    lens = sorted(len(r.prompt) for r in reqs if r.meta["conversation"] == 0)
+    want = sum(n // 16 * 16 for n in lens[:-1]) / sum(lens)  # every conversation has the same lengths
+    assert best == pytest.approx(want)
+    _, two = hit_rate_bounds(reqs, 2, 16)
+    _, four = hit_rate_bounds(reqs, 4, 16)
+    assert best > two > four
+    assert 1.2 < best / two < 1.45 and best / four > 1.5

@@ -64,3 +64,29 @@ class MultiTurnWorkload:
         moved = [(-(-r.prompt_tokens // bs) - r.cached_tokens // bs) * self.kv_bytes_per_block for r in ok]
         return {"multiturn_cache_hit_rate": cached / prompt if prompt else math.nan,
                 "multiturn_kv_bytes_per_request": sum(moved) / len(moved) if moved else math.nan}, {}
+
+
+def hit_rate_bounds(requests: list[WorkRequest], decode_instances: int, block_tokens: int,
+                    trials: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """(the best any router can do, what placing each turn at random gets) as a decode
+    cache hit rate over ``requests`` (this workload's: ``meta`` names conversation and
+    turn), with pools that never evict. The best: every turn finds its conversation's
+    previous turn whole (in full blocks). At random an instance holds the longest earlier
+    turn it was given, so with more instances a turn finds less. Why: the routing goal's
+    ratio is bounded by this workload's shape before any policy runs (two instances at
+    80% reuse: about 1.3x)."""
+    turns: dict[int, list[int]] = {}
+    for r in sorted(requests, key=lambda r: (r.meta["conversation"], r.meta["turn"])):
+        turns.setdefault(r.meta["conversation"], []).append(len(r.prompt))
+    total = sum(sum(lens) for lens in turns.values())
+    best = sum((prev // block_tokens) * block_tokens for lens in turns.values() for prev in lens[:-1])
+    rng, placed = random.Random(seed), 0
+    for _ in range(trials):
+        for lens in turns.values():
+            held: dict[int, int] = {}
+            for n in lens:
+                i = rng.randrange(decode_instances)
+                placed += (min(held.get(i, 0), n - 1) // block_tokens) * block_tokens
+                held[i] = max(held.get(i, 0), n)
+    return best / total, placed / (trials * total)
+
