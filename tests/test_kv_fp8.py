@@ -291,6 +291,20 @@ def test_gpu_fp8_decode_reads_a_transposed_v_cache_over_stale_nonfinite_rows(spl
     _transposed_v_decode(splits, torch.bfloat16, "cuda")
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_decode_with_v_widened_equals_the_default(splits):
+    """``v_widen`` changes where V is converted, not what is computed: the same output as
+    the default path, which equals the reference (tests above)."""
+    kc, vc, ks, vs = _filled()
+    lens = torch.tensor([70, 3], dtype=torch.int32)
+    q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(9))
+    args = [t.to(DEV) if torch.is_tensor(t) else t for t in (q, kc, vc, lens, BT, 0.125, ks, vs)]
+    want = decode_attention(*args, num_splits=splits)
+    assert torch.equal(decode_attention(*args, num_splits=splits, v_widen=True), want)
+    torch.testing.assert_close(want.cpu().double(), ref.decode_attention(q.double(), kc, vc, lens, BT, 0.125, ks, vs),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_fp8_decode_with_a_bf16_query():
     """A bf16 q (the GPU's dtype; the dots then run in fp16, where e4m3 and bf16 values
     are exact) stays within bf16's rounding of the reference; another head's scales are
@@ -419,6 +433,8 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     for splits in (1, 4):
         got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits)
         assert rel(got_d, want_d) < 1e-2, splits
+        wide = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, v_widen=True)
+        assert rel(wide, want_d) < 1e-2, ("v_widen", splits)
     wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
                              _other_heads(vs).contiguous())
     assert rel(wrong, want_d) > 5e-2

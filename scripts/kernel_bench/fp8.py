@@ -113,6 +113,13 @@ def bench_fp8(run) -> None:
                     nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                     note="vs_baseline: fp8 decode over V stored [page, D] (the default)")
             del v_t
+            # the V-widened experiment: the default layout, V staged for the dot in 16 bits
+            fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_widen=True)
+            check_close(run, f"fp8 decode V wide ctx{ctx} page{page}", fn(),
+                        decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs), DT)
+            run.add("decode triton fp8 kv V wide", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                    note="vs_baseline: the default fp8 decode (V read back a byte at a time)")
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
