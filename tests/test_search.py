@@ -117,6 +117,42 @@ def test_deployment_key_ignores_only_what_a_run_does_not_use():
     assert key("name=a", "tracking.uri=sqlite:///a.db") == key("name=b", "tracking.uri=sqlite:///b.db")
 
 
+def test_search_space_samples_pd_choices_for_pd_trials_only():
+    """A monolithic trial carries no prefill, partition or transfer; a P/D trial with a TP
+    prefill no partition; a PP prefill all three (a real Optuna study asking trials)."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from pdflow.spec.search_space import PD_ONLY, PP_ONLY, pd_choices
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = {"monolithic": 0, "tp": 0, "pp": 0}
+    for _ in range(60):
+        trial = study.ask()
+        mode = trial.suggest_categorical("mode", ["pd", "monolithic"])
+        pd_choices(OmegaConf.create({"mode": "pd"}), trial)
+        if mode == "monolithic":
+            assert set(trial.params) == {"mode"}
+            seen["monolithic"] += 1
+        elif trial.params["prefill"].startswith("pp"):
+            assert set(trial.params) == {"mode", *PD_ONLY, *PP_ONLY}
+            seen["pp"] += 1
+        else:
+            assert set(trial.params) == {"mode", *PD_ONLY}
+            seen["tp"] += 1
+        study.tell(trial, 0.0)
+    assert all(seen.values()), seen
+    # the mode fixed on the command line (a user attribute), or only in the config
+    fixed = study.ask()
+    fixed.set_user_attr("mode", "monolithic")
+    pd_choices(OmegaConf.create({"mode": "pd"}), fixed)
+    assert not fixed.params
+    from_config = study.ask()
+    pd_choices(OmegaConf.create({"mode": "pd"}), from_config)
+    assert set(PD_ONLY) <= set(from_config.params)
+
+
 def test_a_sweep_runs_each_deployment_once(tmp_path, mlflow_template):
     """The hand grid made monolithic asks for 8 trials of 4 deployments (its prefill
     choices do not apply): 4 run (all pruned here), 4 are tagged duplicates of them and

@@ -1,0 +1,32 @@
+"""The conditional part of a deployment search, for Hydra's Optuna sweeper
+(``hydra.sweeper.custom_search_space``): the sweeper samples its ``params`` for every
+trial, then this samples the choices that only some deployments use. Why: a monolithic
+trial starts no prefill instance and moves no KV, and a TP prefill has no layer
+partition; sampled anyway, those choices make one deployment look like several (trials
+spent on repeats) and feed the sampler values that had no effect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Sampled for P/D trials only (tracking/trial_cache.MONOLITHIC_IGNORED: the same groups).
+PD_ONLY: dict[str, list[str]] = {
+    "prefill": ["tp1", "tp2", "tp4", "pp2", "pp4"],
+    "transfer": ["auto", "nccl"],
+}
+# Sampled only when the prefill sampled above is pipeline-parallel.
+PP_ONLY: dict[str, list[str]] = {"prefill.partition": ["even", "lighter_last"]}
+
+
+def pd_choices(cfg: Any, trial: Any) -> None:
+    """Add ``PD_ONLY`` (and, for a PP prefill, ``PP_ONLY``) to a P/D trial. The mode is
+    the trial's when sampled, else a fixed override's (``mode=...`` on the command line),
+    else the config's."""
+    mode = trial.params.get("mode", trial.user_attrs.get("mode", cfg.get("mode")))
+    if mode != "pd":
+        return
+    for name, choices in PD_ONLY.items():
+        trial.suggest_categorical(name, choices)
+    if trial.params["prefill"].startswith("pp"):
+        for name, choices in PP_ONLY.items():
+            trial.suggest_categorical(name, choices)
