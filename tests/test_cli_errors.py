@@ -3,6 +3,7 @@ side (exit 1, no traceback), refusals exit 2 naming the job, help and version ar
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -16,11 +17,18 @@ PDFLOW = [sys.executable, "-m", "pdflow.cli"]
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``pdflow`` in this process; Hydra's job logging (a handler on the stdout pytest
+    captures, closed after the test) is taken off again, else every later test of this
+    worker that logs writes "--- Logging error ---" tracebacks into its report."""
+    root = logging.getLogger()
+    handlers = list(root.handlers)
     try:
         main(list(argv))
         code = 0
     except SystemExit as exit_:
         code = exit_.code
+    finally:
+        root.handlers[:] = handlers
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -151,6 +151,12 @@ def test_search_space_samples_pd_choices_for_pd_trials_only():
     from_config = study.ask()
     pd_choices(OmegaConf.create({"mode": "pd"}), from_config)
     assert set(PD_ONLY) <= set(from_config.params)
+    # a choice fixed on the command line is not sampled again (the sweeper refuses the
+    # overlap), and a fixed PP prefill still brings the partition in
+    pp = study.ask()
+    pp.set_user_attr("prefill", "pp2")
+    pd_choices(OmegaConf.create({"mode": "pd"}), pp)
+    assert set(pp.params) == (set(PD_ONLY) - {"prefill"}) | set(PP_ONLY)
 
 
 def test_a_sweep_runs_each_deployment_once(tmp_path, mlflow_template):

@@ -19,14 +19,20 @@ PP_ONLY: dict[str, list[str]] = {"prefill.partition": ["even", "lighter_last"]}
 
 
 def pd_choices(cfg: Any, trial: Any) -> None:
-    """Add ``PD_ONLY`` (and, for a PP prefill, ``PP_ONLY``) to a P/D trial. The mode is
-    the trial's when sampled, else a fixed override's (``mode=...`` on the command line),
-    else the config's."""
-    mode = trial.params.get("mode", trial.user_attrs.get("mode", cfg.get("mode")))
-    if mode != "pd":
+    """Add ``PD_ONLY`` (and, for a PP prefill, ``PP_ONLY``) to a P/D trial. A choice fixed
+    on the command line (``prefill=pp2``: the sweeper's fixed parameters, a trial's user
+    attributes) is not sampled, and counts as the trial's. The mode is the trial's, else a
+    fixed one, else the config's."""
+    fixed = trial.user_attrs
+
+    def choose(choices: dict[str, list[str]]) -> None:
+        for name, values in choices.items():
+            if name not in fixed:
+                trial.suggest_categorical(name, values)
+
+    if trial.params.get("mode", fixed.get("mode", cfg.get("mode"))) != "pd":
         return
-    for name, choices in PD_ONLY.items():
-        trial.suggest_categorical(name, choices)
-    if trial.params["prefill"].startswith("pp"):
-        for name, choices in PP_ONLY.items():
-            trial.suggest_categorical(name, choices)
+    choose(PD_ONLY)
+    prefill = fixed.get("prefill", trial.params.get("prefill", ""))
+    if str(prefill).startswith("pp"):
+        choose(PP_ONLY)

@@ -104,22 +104,18 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
-            # the V^T experiment: each head page of V stored [D, page] (the same bytes moved)
+            # The V experiments against the default (V read back from shared memory a byte
+            # at a time): V^T, each head page of V stored [D, page] (the same bytes moved),
+            # and V wide, the default layout with V staged for the dot in 16 bits.
+            want = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs)
             v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)
-            fn = partial(decode_attention, q, kc, v_t, cl, bt, d**-0.5, ks, vs, v_transposed=True)
-            check_close(run, f"fp8 decode V^T ctx{ctx} page{page}", fn(),
-                        decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs), DT)
-            run.add("decode triton fp8 kv V^T", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
-                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                    note="vs_baseline: fp8 decode over V stored [page, D] (the default)")
-            del v_t
-            # the V-widened experiment: the default layout, V staged for the dot in 16 bits
-            fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_widen=True)
-            check_close(run, f"fp8 decode V wide ctx{ctx} page{page}", fn(),
-                        decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs), DT)
-            run.add("decode triton fp8 kv V wide", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
-                    nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                    note="vs_baseline: the default fp8 decode (V read back a byte at a time)")
+            for label, v_cache, option in (("V^T", v_t, "v_transposed"), ("V wide", vc, "v_widen")):
+                fn = partial(decode_attention, q, kc, v_cache, cl, bt, d**-0.5, ks, vs, **{option: True})
+                check_close(run, f"fp8 decode {label} ctx{ctx} page{page}", fn(), want, DT)
+                run.add(f"decode triton fp8 kv {label}", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+                        nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                        note="vs_baseline: the default fp8 decode")
+            del v_t, want
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
