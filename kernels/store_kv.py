@@ -55,29 +55,14 @@ def _quantized(x, HEADROOM: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, n,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_cp, s_ch, s_ct,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, HEADROOM: tl.constexpr,
-    TOKENS: tl.constexpr,
 ):
-    for t in tl.static_range(TOKENS):
-        i = tl.program_id(0).to(tl.int64) * TOKENS + t
-        _store_token(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, i, n,
-                     s_kn, s_kh, s_vn, s_vh, s_cb, s_cp, s_ch, s_ct,
-                     H, D, PAGE, PPB, BLOCK_H, BLOCK_D, QUANT, HEADROOM)
-
-
-@triton.jit
-def _store_token(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, i, n,
-    s_kn, s_kh, s_vn, s_vh, s_cb, s_cp, s_ch, s_ct,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, HEADROOM: tl.constexpr,
-):
-    """Token ``i``'s heads (a token past ``n`` writes nothing, as slot -1)."""
-    slot = tl.load(slot_ptr + i, mask=i < n, other=-1).to(tl.int64)
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
     # Broadcast before comparing: the interpreter mis-types scalar-bool & block-bool.
     keep = (tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot) >= 0
     slot = tl.maximum(slot, 0)
@@ -103,7 +88,7 @@ def _store_token(
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
-             num_warps: int | None = None, tokens_per_program: int = 1) -> None:
+             num_warps: int | None = None) -> None:
     """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips);
     quantized per (token, head) into an fp8 cache when its scale caches are given."""
     n, h, d = k.shape
@@ -117,11 +102,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
     if num_warps is None:
         num_warps = 4 if block_h * block_d >= 1024 else 1
-    _store_kv_kernel[(triton.cdiv(n, tokens_per_program),)](
+    _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
-        k_scale, v_scale, n,
+        k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:4],
         H=h, D=d, PAGE=page, PPB=ppb, BLOCK_H=block_h, BLOCK_D=block_d,
-        QUANT=quant, HEADROOM=HEADROOM_BITS, TOKENS=tokens_per_program, num_warps=num_warps,
+        QUANT=quant, HEADROOM=HEADROOM_BITS, num_warps=num_warps,
     )

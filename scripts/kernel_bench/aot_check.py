@@ -138,13 +138,13 @@ def cases():
     yield ("copy_plan strided (scatter)", CR._copy_plan_strided_kernel, dict(GROUPS=1, BLOCK=2048, REVERSE=True),
            {**plan, "n_slices": "i64", "parts": "i64"}, dict(num_warps=4), False)
     yield ("store_kv", SK._store_kv_kernel,
-           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, TOKENS=1),
+           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=BF, vc_ptr=BF, slot_ptr="*i64"),
            dict(num_warps=4), False)
     # fp8 (e4m3) KV: the quantizing write and the dequantizing decode and pointer prefill.
     f8 = "*fp8e4nv"
     yield ("store_kv fp8", SK._store_kv_kernel,
-           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True, TOKENS=1),
+           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
     yield ("decode fp8", DA._paged_split_kernel,
