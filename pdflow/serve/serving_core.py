@@ -166,17 +166,11 @@ class ServingCore:
             ticket.request_id = self.backend.add(ticket.prompt_token_ids, ticket.sampling, route=ticket.route)
             ticket.admitted_at = time.monotonic()
         except ValueError as exc:
-            self.admission.release(ticket)
-            event = StreamEvent(error=str(exc), error_status=400,
-                                error_param=None if isinstance(exc, RouteRefused) else "prompt")
-            self._on_finish(ticket, event)
-            ticket.deliver(event)
+            self.finish(ticket, StreamEvent(error=str(exc), error_status=400,
+                                            error_param=None if isinstance(exc, RouteRefused) else "prompt"))
             return
         except Exception as exc:  # the engine cannot take requests: this one ends, then the core
-            self.admission.release(ticket)
-            event = StreamEvent(error=f"engine failed: {type(exc).__name__}: {exc}", error_status=503)
-            self._on_finish(ticket, event)
-            ticket.deliver(event)
+            self.finish(ticket, StreamEvent(error=f"engine failed: {type(exc).__name__}: {exc}", error_status=503))
             raise
         self.active[ticket.request_id] = ticket
 

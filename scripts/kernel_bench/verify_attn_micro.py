@@ -20,8 +20,8 @@ from paged_inputs import random_paged  # noqa: E402
 from small_m_micro import graph_us  # noqa: E402
 
 
-def sweep(ctx: int, nq: int, h_q: int, h_kv: int, d: int, page: int, ppb: int,
-          grid=((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4), (1, 2, 3))) -> None:
+def sweep(ctx: int, nq: int, h_q: int, h_kv: int, d: int, page: int, ppb: int, grid) -> None:
+    """``grid``: (splits, block_n, warps, stages) choices, every combination timed."""
     dev = torch.device("cuda")
     kc, vc, lens, bt = random_paged(1, ctx, h_kv, d, page, ppb, torch.float32, dev)
     q = torch.randn(1, nq, h_q, d, device=dev)

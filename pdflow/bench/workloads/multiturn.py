@@ -89,4 +89,3 @@ def hit_rate_bounds(requests: list[WorkRequest], decode_instances: int, block_to
                 placed += (min(held.get(i, 0), n - 1) // block_tokens) * block_tokens
                 held[i] = max(held.get(i, 0), n)
     return best / total, placed / (trials * total)
-
