@@ -117,11 +117,16 @@ def exp2_biased(e):
 
 @triton.jit
 def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr,
-            DT: tl.constexpr):
+            DT: tl.constexpr, PAGE: tl.constexpr = 1, V_T: tl.constexpr = False):
     """[BLOCK_N, BLOCK_D] of K or V at element offsets ``tok`` (+ d), in ``DT``: dequantized
     with the token-head's power-of-two scale (``row_ok``: the rows to read) when the cache
-    is fp8."""
-    x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
+    is fp8. ``V_T``: an fp8 V cache, whose head pages are stored [D, PAGE] (token ``t``'s
+    element ``d`` at the page's ``d * PAGE + t``; ``tok`` stays the [PAGE, D] offset)."""
+    if V_T:
+        t_in = (tok // D) % PAGE
+        x = tl.load(c_ptr + (tok - t_in * D + t_in)[:, None] + d[None, :] * PAGE, mask=mask, other=0.0)
+    else:
+        x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
     if QUANT:
         scale = exp2_biased(tl.load(s_ptr + tok // D, mask=row_ok, other=127))
         x = (x.to(tl.float32) * scale[:, None]).to(DT)  # one return: compiled Triton wants one type

@@ -13,8 +13,10 @@ its context loop, so the context loop is exactly the decode loop (mixing the blo
 tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
 An fp8 cache (``k_scale``/``v_scale`` given) is only converted (e4m3 is exact in 16 bits;
 a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per two values
-and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does;
-each token-head's power-of-two scale (its byte exponent, kernels/kv_quant.py) is applied to
+and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does,
+V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's operand
+needs no byte-wise transpose in shared memory; 1.3-1.9x V stored [page, D] on the H200,
+bench/KERNEL_NOTES.md); each token-head's power-of-two scale (its byte exponent, kernels/kv_quant.py) is applied to
 the score and p columns instead of every element: the same products. The scale bytes are
 read a page row at a time, a tile ahead (1.17-1.24x the per-element dequantization on the
 H200: bench/RESULTS.md).
@@ -96,7 +98,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    SW: tl.constexpr, F8_F16: tl.constexpr, V_T: tl.constexpr, V_WIDE: tl.constexpr,
+    SW: tl.constexpr, F8_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,20 +145,14 @@ def _paged_split_kernel(
             sk = scales_of(ek, ok, BLOCK_N)
             sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
-            if V_T:  # each head page stored [D, PAGE]: a column of V is PAGE contiguous tokens
-                t_in = pos % PAGE
-                v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
-                # No token mask (it would split the contiguous runs) and no zeroing (an
-                # elementwise op on V sends the tile through shared memory again in 16 bits):
-                # a token past the context reads a real page (block 0 at worst) whose bytes
-                # the writer never leaves NaN (kv_quant), and its p is exactly 0.
-                v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
-            else:
-                v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                if V_WIDE:  # widened before the dot (the where keeps the compiler from moving the
-                    # cast after the shared-memory load): V then sits in shared memory as 16-bit,
-                    # which ldmatrix.trans transposes, instead of being read back a byte at a time
-                    v = tl.where(ok[:, None], v.to(q8.dtype), 0.0)
+            # V's head page is stored [D, PAGE]: a column of V is PAGE contiguous tokens.
+            t_in = pos % PAGE
+            v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
+            # No token mask (it would split the contiguous runs) and no zeroing (an
+            # elementwise op on V sends the tile through shared memory again in 16 bits):
+            # a token past the context reads a real page (block 0 at worst) whose bytes
+            # the writer never leaves NaN (kv_quant), and its p is exactly 0.
+            v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
@@ -231,26 +227,20 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, v_transposed=False, v_widen=False,
+    num_warps=None, num_stages=None, out=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
-    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8).
-    ``v_transposed`` (fp8 only, an experiment not yet measured on a GPU): ``v_cache`` holds
-    each head page as [D, page] (tokens contiguous), viewed with ``k_cache``'s shape, so
-    the PV dot's operand needs no 8-bit transpose in shared memory. ``v_widen`` (fp8 only,
-    the same kind of experiment, no layout change): V widened to 16 bits before it is
-    staged for the dot, so the transpose is ldmatrix's, at twice the shared memory."""
+    ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8); its V
+    head pages stored transposed (kernels/reference.py)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     # a scale's offset is its token-head's element offset / D
     quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, context_lens)
-    assert quant or not (v_transposed or v_widen), "v_transposed, v_widen: fp8 caches only"
-    assert not (v_transposed and v_widen), "v_transposed and v_widen are alternatives"
     group = h_q // h_kv
     g_pad = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
@@ -305,7 +295,6 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
-        V_T=v_transposed, V_WIDE=v_widen,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -118,7 +118,7 @@ def _prefill_kernel(
         ok = pos < full_end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         k = load_kv(kc_ptr, ks_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, d_ok[None, :], ok, D, QUANT, q.dtype, PAGE, QUANT)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -132,7 +132,7 @@ def _prefill_kernel(
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         kv_mask = ok[:, None] & d_ok[None, :]
         k = load_kv(kc_ptr, ks_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
-        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype)
+        v = load_kv(vc_ptr, vs_ptr, tok, d, kv_mask, ok, D, QUANT, q.dtype, PAGE, QUANT)
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
         s = tl.where((pos[None, :] <= qpos[:, None]) & ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,7 +165,7 @@ def prefill_attention(
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
-    # fp8: dequantized as loaded (_common.load_kv)
+    # fp8: dequantized as loaded (_common.load_kv), V from its transposed head pages
     quant, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, context_lens)
     upcast = interpreting(q)
     tiles = INTERPRETER_TILES if upcast else prefill_tiles(

@@ -9,7 +9,11 @@ K/V into contiguous tensors and run plain softmax attention with fp32 accumulati
 reads KV head ``h // (H_q // H_kv)`` (GQA). Outputs come back in the input dtype.
 
 An fp8 cache comes with its scale caches (``k_scale``/``v_scale``: ``[..., page, 1]``
-uint8 exponents, kernels/kv_quant.py): stores quantize, reads dequantize to fp32.
+uint8 exponents, kernels/kv_quant.py): stores quantize, reads dequantize to fp32. An fp8
+V cache stores each head page transposed, ``[D, page]`` (tokens contiguous), under the
+same shape: the PV dot reads V with tokens on its reduction axis, and an e4m3 tile stored
+``[page, D]`` would be transposed a byte at a time in shared memory (kernels/kv_quant.py).
+A head page is the same bytes either way, so transfers and head cuts do not change.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ __all__ = [
     "prefill_attention",
     "slot_coords",
     "store_kv",
+    "v_pages",
+    "v_token_major",
 ]
 
 
@@ -41,25 +47,42 @@ def slot_coords(slots: torch.Tensor, cache: torch.Tensor):
     return block, torch.div(off, page, rounding_mode="floor"), off % page
 
 
+def v_pages(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 V cache's bytes as ``[num_blocks, ppb, H_kv, D, page]``: its head pages
+    as stored (token ``t`` of head ``h`` is ``[..., h, :, t]``)."""
+    nb, ppb, h, page, d = cache.shape
+    return cache.view(torch.uint8).view(nb, ppb, h, d, page)
+
+
+def v_token_major(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 V cache's values laid out as a K cache's ([..., page, D]; a copy)."""
+    return v_pages(cache).transpose(-1, -2).contiguous().view(cache.dtype)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]``; -1 skips it.
-    With scale caches the values are quantized per (token, head) first."""
+    With scale caches the values are quantized per (token, head) first, V into its
+    transposed head pages."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block, page, tok = slot_coords(slots, k_cache)
-    # Advanced indices split by a slice put the indexed dim first: [n, H_kv, D].
-    for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+    # Advanced indices split by slices put the indexed dim first: [n, H_kv, D].
+    for x, cache, sc, is_v in ((k, k_cache, k_scale, False), (v, v_cache, v_scale, True)):
         if sc is None:
             cache[block, page, :, tok] = x[keep].to(cache.dtype)
         else:
             data, e = quantize(x[keep])  # torch's CPU indexing takes no fp8: its bytes
-            cache.view(torch.uint8)[block, page, :, tok] = data.view(torch.uint8)
+            if is_v:
+                v_pages(cache)[block, page, :, :, tok] = data.view(torch.uint8)
+            else:
+                cache.view(torch.uint8)[block, page, :, tok] = data.view(torch.uint8)
             sc[block, page, :, tok] = e[..., None]
 
 
-def gather_kv(cache, block_table, length: int, scale=None) -> torch.Tensor:
+def gather_kv(cache, block_table, length: int, scale=None, *, is_v=False) -> torch.Tensor:
     """The first ``length`` tokens of one sequence as a contiguous [length, H_kv, D]
-    (dequantized to fp32 when ``scale`` is the cache's scale cache)."""
+    (dequantized to fp32 when ``scale`` is the cache's scale cache; ``is_v``: an fp8
+    cache holding V, whose head pages are transposed)."""
     _, ppb, _, page, _ = cache.shape
     block_size = ppb * page
     pos = torch.arange(length, device=cache.device)
@@ -68,7 +91,8 @@ def gather_kv(cache, block_table, length: int, scale=None) -> torch.Tensor:
     idx = (block, torch.div(off, page, rounding_mode="floor"), slice(None), off % page)
     if scale is None:
         return cache[idx]
-    return dequantize(cache.view(torch.uint8)[idx].view(cache.dtype), scale[idx])
+    data = v_pages(cache)[idx[0], idx[1], :, :, idx[3]] if is_v else cache.view(torch.uint8)[idx]
+    return dequantize(data.view(cache.dtype), scale[idx])
 
 
 def _attend(q, k, v, scale: float, mask=None) -> torch.Tensor:
@@ -100,7 +124,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
         if end == start:
             continue
         k = gather_kv(k_cache, block_tables[b], ctx, k_scale)
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, is_v=True)
         qpos = torch.arange(ctx - (end - start), ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
         out[start:end] = _attend(q[start:end], k, v, scale, mask)
@@ -113,7 +137,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, k_s
     out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
         k = gather_kv(k_cache, block_tables[b], ctx, k_scale)
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, is_v=True)
         out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 
@@ -127,7 +151,7 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, context_lens, block_t
     out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
         kc = gather_kv(k_cache, block_tables[b], ctx, k_scale)
-        vc = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        vc = gather_kv(v_cache, block_tables[b], ctx, v_scale, is_v=True)
         if k_scale is None:
             kb, vb = k_block[b].to(k_cache.dtype), v_block[b].to(v_cache.dtype)
         else:

@@ -9,7 +9,9 @@ An fp8 cache (with its scale caches) is quantized here as kernels/kv_quant.py do
 (token, head)'s exponent from the bits of its amax, the values times an exact power of
 two, rounded to e4m3 (a row with a NaN or inf as zeros under exponent 255, as there); the
 scale caches share the cache's layout with D = 1, so a token-head's scale sits at its first
-element's offset divided by D.
+element's offset divided by D. An fp8 V goes into its head page transposed (``[D, page]``,
+kernels/reference.py): element ``d`` of token ``t`` at ``d * PAGE + t``; adjacent tokens'
+programs fill the same 32-byte sectors, which L2 merges before they reach memory.
 """
 
 from __future__ import annotations
@@ -84,13 +86,16 @@ def _store_kv_kernel(
         tl.store(ks_ptr + head // D, ke.to(tl.uint8), mask=h_ok)
         tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=h_ok)
     tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # V's head page stored [D, PAGE]
+        dst = block * s_cb + page * s_cp + h[:, None] * s_ch + d[None, :] * PAGE + tok
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
              num_warps: int | None = None) -> None:
     """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips);
-    quantized per (token, head) into an fp8 cache when its scale caches are given."""
+    quantized per (token, head) into an fp8 cache when its scale caches are given (V
+    into transposed head pages)."""
     n, h, d = k.shape
     _, ppb, hc, page, dc = k_cache.shape
     assert (h, d) == (hc, dc) and v.shape == k.shape and v_cache.shape == k_cache.shape

@@ -25,9 +25,7 @@ def test_kernels_compile_for_sm90_and_pipeline():
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     from pdflow.kernels.prefill_gluon import gluon_available
 
-    assert out.stdout.count("ok  ") == 24 + 2 * gluon_available(), out.stdout  # 5 of them fp8 KV
-    for case in ("decode fp8 V^T", "decode fp8 V wide"):  # the fp8 V experiments pipeline too
-        assert f"ok   {case}" in out.stdout, out.stdout
+    assert out.stdout.count("ok  ") == 22 + 2 * gluon_available(), out.stdout  # 3 of them fp8 KV
     # The pointer prefill's launcher-picked tiles fit sm_90 for fp32 and wide heads.
     assert out.stdout.count("(picked tiles)") == 4 and "FAIL" not in out.stdout, out.stdout
     # The production TMA kernel in both descriptor layouts, not only the variants.

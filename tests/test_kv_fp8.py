@@ -100,7 +100,7 @@ def test_reference_attention_is_attention_over_the_dequantized_cache():
     """quantize -> store -> dequantize in the attention == the reference over fp32 caches
     holding the dequantized values (bit for bit: the same values meet the same math)."""
     kc, vc, ks, vs = _filled()
-    deq_k, deq_v = dequantize(kc, ks), dequantize(vc, vs)
+    deq_k, deq_v = dequantize(kc, ks), dequantize(ref.v_token_major(vc), vs)
     q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(2))
     got = ref.decode_attention(q, kc, vc, LENS, BT, 0.125, ks, vs)
     assert torch.equal(got, ref.decode_attention(q, deq_k, deq_v, LENS, BT, 0.125))
@@ -176,6 +176,7 @@ def test_a_nonfinite_row_is_stored_as_zeros_under_an_infinite_scale():
         assert all(torch.equal(a, b) for a, b in zip(_bytes(other), _bytes(want), strict=True))
     assert _no_nan_bytes(want[0]) and _no_nan_bytes(want[1])
     planted = {(0, 4, 0), (0, 9, 1), (1, 4, 1), (1, 20, 0)}  # (K or V, token, head)
+    values = (want[0], ref.v_token_major(want[1]))  # V's head pages are stored transposed
     for field in (0, 1):
         for i, slot in enumerate(slots.tolist()):
             if slot < 0:
@@ -183,7 +184,7 @@ def test_a_nonfinite_row_is_stored_as_zeros_under_an_infinite_scale():
             b, r = divmod(slot, PPB * PAGE)
             for h in range(H):
                 at = (b, r // PAGE, h, r % PAGE)
-                data, scale = want[field][at], int(want[2 + field][at])
+                data, scale = values[field][at], int(want[2 + field][at])
                 if (field, i, h) in planted:
                     assert scale == 255 and not data.float().any()
                     assert dequantize(data[None], torch.tensor([scale], dtype=torch.uint8)).isnan().all()
@@ -240,10 +241,29 @@ def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_fp8_v_is_stored_in_transposed_head_pages():
+    """Token ``t`` of head ``h`` of an fp8 V cache is column ``t`` of its head page
+    ([D, page]); K stays [page, D]. The torch backend and the Triton write store the same
+    bytes (tests above), so this pins the layout every reader assumes."""
+    slots, k, v = _kv()
+    kc, vc, ks, vs = _caches()
+    ref.store_kv(k, v, kc, vc, slots, ks, vs)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, r = divmod(slot, PPB * PAGE)
+        for h in range(H):
+            at = (b, r // PAGE, h)
+            qk, _ = quantize(k[i, h][None])
+            qv, _ = quantize(v[i, h][None])
+            assert torch.equal(kc.view(torch.uint8)[at][r % PAGE], qk[0].view(torch.uint8))
+            assert torch.equal(ref.v_pages(vc)[at][:, r % PAGE], qv[0].view(torch.uint8))
+
+
 def _transposed_v_decode(splits, dtype, dev):
     """Every slot first holds a stale row written by the writer (NaN and inf rows among
     them, as a block's earlier owner may leave), then the contexts are written over; the
-    transposed-V decode reads the stale slots past each context unmasked."""
+    decode reads V's transposed head pages unmasked, stale slots past each context too."""
     nb, h, page, ppb, d = 40, 2, 16, 2, 64
     gen = torch.Generator().manual_seed(11)
     bt = torch.randperm(nb, generator=gen)[:36].view(3, 12).int()
@@ -262,23 +282,22 @@ def _transposed_v_decode(splits, dtype, dev):
     write(k.to(dev), v.to(dev), *caches[:2], slots.to(dev), *caches[2:])
     kc, vc, ks, vs = (c.cpu() for c in caches)
     assert _no_nan_bytes(vc)
-    v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)  # the same bytes per head page, [D, page]
     q = torch.randn(3, 4, d, generator=gen).to(dtype)
     want = ref.decode_attention(q.double(), kc, vc, lens, bt, 0.125, ks, vs)
-    args = (q.to(dev), kc.to(dev), v_t.to(dev), lens.to(dev), bt.to(dev), 0.125, ks.to(dev), vs.to(dev))
-    got = decode_attention(*args, num_splits=splits, v_transposed=True)
+    args = (q.to(dev), kc.to(dev), vc.to(dev), lens.to(dev), bt.to(dev), 0.125, ks.to(dev), vs.to(dev))
+    got = decode_attention(*args, num_splits=splits)
     assert torch.isfinite(got).all()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
-    # read as if not transposed, the same bytes are another layout's: far off
-    wrong = decode_attention(*args, num_splits=splits)
+    # V's bytes laid out token-major (as K's) are another layout's to the kernel: far off
+    wrong = decode_attention(*args[:2], ref.v_token_major(vc).to(dev), *args[3:], num_splits=splits)
     assert not torch.allclose(wrong.cpu().double(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("splits,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
-def test_fp8_decode_reads_a_transposed_v_cache(splits, dtype):
-    """``v_transposed``: each head page of V stored [D, page], over shuffled blocks,
-    contexts ending mid-page and mid-tile, its V loads unmasked by token over stale rows."""
+def test_fp8_decode_reads_transposed_v_pages_over_stale_rows(splits, dtype):
+    """V's head pages stored [D, page], over shuffled blocks, contexts ending mid-page and
+    mid-tile, its V loads unmasked by token over stale rows; a token-major V is caught."""
     _transposed_v_decode(splits, dtype, DEV)
 
 
@@ -289,20 +308,6 @@ def test_gpu_fp8_decode_reads_a_transposed_v_cache_over_stale_nonfinite_rows(spl
     """On the GPU an e4m3 NaN byte past a context would turn p = 0 into NaN (the
     interpreter reads 0x7F as 480): the writer's zeros-under-inf-scale rows keep it finite."""
     _transposed_v_decode(splits, torch.bfloat16, "cuda")
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-def test_fp8_decode_with_v_widened_equals_the_default(splits):
-    """``v_widen`` changes where V is converted, not what is computed: the same output as
-    the default path, which equals the reference (tests above)."""
-    kc, vc, ks, vs = _filled()
-    lens = torch.tensor([70, 3], dtype=torch.int32)
-    q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(9))
-    args = [t.to(DEV) if torch.is_tensor(t) else t for t in (q, kc, vc, lens, BT, 0.125, ks, vs)]
-    want = decode_attention(*args, num_splits=splits)
-    assert torch.equal(decode_attention(*args, num_splits=splits, v_widen=True), want)
-    torch.testing.assert_close(want.cpu().double(), ref.decode_attention(q.double(), kc, vc, lens, BT, 0.125, ks, vs),
-                               rtol=1e-4, atol=1e-5)
 
 
 def test_fp8_decode_with_a_bf16_query():
@@ -433,8 +438,6 @@ def test_gpu_fp8_write_and_attention_equal_the_reference(page, ppb):
     for splits in (1, 4):
         got_d = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits)
         assert rel(got_d, want_d) < 1e-2, splits
-        wide = decode_attention(q, kc, vc, lens, bt, d**-0.5, ks, vs, num_splits=splits, v_widen=True)
-        assert rel(wide, want_d) < 1e-2, ("v_widen", splits)
     wrong = decode_attention(q, kc, vc, lens, bt, d**-0.5, _other_heads(ks).contiguous(),
                              _other_heads(vs).contiguous())
     assert rel(wrong, want_d) > 5e-2

@@ -91,6 +91,15 @@ def gather_plan(block_tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int,
     return GatherPlan(rows=rows.flatten(), batch=block_tables.shape[0], length=max_ctx)
 
 
+def transposed_elements(rows: torch.Tensor, page: int, d: int) -> torch.Tensor:
+    """[len(rows), D] element offsets of cache rows in a cache whose head pages are
+    stored [D, page] (an fp8 V cache, kernels/reference.py): row ``r = page_head * page +
+    t`` holds elements ``page_head * page * D + i * page + t``."""
+    t = rows % page
+    base = (rows - t) * d + t
+    return base[:, None] + torch.arange(d, device=rows.device) * page
+
+
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
     gather: GatherPlan

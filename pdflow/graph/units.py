@@ -5,7 +5,9 @@ head cut'): page-major, then head-major within a page, then tokens, then head_di
 head ``h`` (local index) of page ``p`` is one contiguous run of
 ``page_tokens * head_dim * itemsize`` bytes at
 ``((p * H_local) + h) * page_tokens * head_dim * itemsize``. A cache tensor for one unit
-is therefore ``[num_blocks, block_size // page_tokens, H_local, page_tokens, head_dim]``.
+is therefore ``[num_blocks, block_size // page_tokens, H_local, page_tokens, head_dim]``
+(an fp8 V unit holds each head page transposed inside the same run: the kernels' business,
+not the cut's).
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ BF = "*bf16"
 # The fp8 KV cache's per-(token, head) scale caches (e8m0 bytes) and the constexprs of the
 # kernels that read or write them: a case that does not say compiles the unquantized path.
 SCALE_PTRS = {"ks_ptr": "*u8", "vs_ptr": "*u8"}
-QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False, "V_T": False,
-                  "V_WIDE": False}
+QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False}
 
 
 def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **opts):
@@ -150,14 +149,6 @@ def cases():
     yield ("decode fp8", DA._paged_split_kernel,
            {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
             "F8_F16": True},
-           {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
-    yield ("decode fp8 V^T", DA._paged_split_kernel,
-           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
-            "F8_F16": True, "V_T": True},
-           {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
-    yield ("decode fp8 V wide", DA._paged_split_kernel,
-           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
-            "F8_F16": True, "V_WIDE": True},
            {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
     yield ("prefill fp8", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64, "QUANT": True},
            {**pre, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=8, num_stages=2), False)

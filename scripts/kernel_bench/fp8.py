@@ -86,8 +86,29 @@ def check_fp8(run) -> None:
         check_close(run, f"fp8 block page{page}", got, want, DT)
 
 
+def bench_fp8_store(run) -> None:
+    """The quantizing KV write (V into transposed head pages: a token's V is D bytes a
+    page apart, merged into sectors by L2) against the bf16 write of the same tokens."""
+    _, hkv, d = heads(run)
+    for n in ([64] if run.tiny else [8192, 65536]):
+        k = T.randn(n, hkv, d, dtype=DT, device=run.dev)
+        v = T.randn(n, hkv, d, dtype=DT, device=run.dev, seed=2)
+        slots = torch.arange(n, device=run.dev)
+        for page, ppb in PAGES:
+            shape = (n // (page * ppb) + 1, ppb, hkv, page)
+            kc, vc = (torch.empty((*shape, d), dtype=DT, device=run.dev) for _ in range(2))
+            ms16 = run.time_ms(partial(store_kv, k, v, kc, vc, slots))
+            k8, v8 = (torch.zeros((*shape, d), dtype=FP8, device=run.dev) for _ in range(2))
+            ks, vs = (torch.zeros((*shape, 1), dtype=torch.uint8, device=run.dev) for _ in range(2))
+            ms = run.time_ms(partial(store_kv, k, v, k8, v8, slots, ks, vs))
+            run.add("store_kv triton fp8", f"N{n} page{page}", ms,
+                    nbytes=2 * n * hkv * (2 * d + d + 1), baseline=ms16,
+                    note="vs_baseline: the bf16 write of the same tokens")
+
+
 def bench_fp8(run) -> None:
     """fp8 decode vs copy of its bytes (the acceptance: >= 0.9x), beside bf16 decode."""
+    bench_fp8_store(run)
     hq, hkv, d = heads(run)
     b = 2 if run.tiny else 64
     run.fp8_vs_copy = {}
@@ -104,18 +125,6 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
-            # The V experiments against the default (V read back from shared memory a byte
-            # at a time): V^T, each head page of V stored [D, page] (the same bytes moved),
-            # and V wide, the default layout with V staged for the dot in 16 bits.
-            want = decode_attention(q, kc, vc, cl, bt, d**-0.5, ks, vs)
-            v_t = vc.transpose(-1, -2).contiguous().view(vc.shape)
-            for label, v_cache, option in (("V^T", v_t, "v_transposed"), ("V wide", vc, "v_widen")):
-                fn = partial(decode_attention, q, kc, v_cache, cl, bt, d**-0.5, ks, vs, **{option: True})
-                check_close(run, f"fp8 decode {label} ctx{ctx} page{page}", fn(), want, DT)
-                run.add(f"decode triton fp8 kv {label}", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
-                        nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                        note="vs_baseline: the default fp8 decode")
-            del v_t, want
             if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
