@@ -91,8 +91,42 @@ def _store_kv_kernel(
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_kv_fp8_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, n,
+    s_kn, s_kh, s_vn, s_vh,
+    s_cb, s_cp, s_ch, s_ct,
+    D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HEADROOM: tl.constexpr,
+):
+    """The quantizing write, one program per (``BLOCK_T`` tokens, KV head): V (stored
+    [D, PAGE] per head page) is written as a [D, BLOCK_T] tile whose neighbouring lanes
+    hold neighbouring tokens, so consecutive slots' bytes land side by side instead of
+    one token's D bytes a page apart (a program per token: 0.16-0.41x the bf16 write)."""
+    h = tl.program_id(1)
+    i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + i, mask=i < n, other=-1).to(tl.int64)
+    row_ok = slot >= 0
+    slot = tl.maximum(slot, 0)
+    off = slot % (PAGE * PPB)
+    tok = off % PAGE
+    head = (slot // (PAGE * PPB)) * s_cb + (off // PAGE) * s_cp + h * s_ch + tok * s_ct
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + (i * s_kn + h * s_kh)[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + (i * s_vn + h * s_vh)[:, None] + d[None, :], mask=mask, other=0.0)
+    k, ke = _quantized(k.to(tl.float32), HEADROOM)
+    v, ve = _quantized(v.to(tl.float32), HEADROOM)
+    tl.store(ks_ptr + head // D, ke.to(tl.uint8), mask=row_ok)
+    tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=row_ok)
+    tl.store(kc_ptr + head[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
+    v_col = head - tok * s_ct + tok  # token tok's column in its [D, PAGE] head page
+    tl.store(vc_ptr + d[:, None] * PAGE + v_col[None, :], tl.trans(v).to(vc_ptr.dtype.element_ty),
+             mask=tl.trans(mask))
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
-             num_warps: int | None = None) -> None:
+             num_warps: int | None = None, fp8_tokens: int = 32) -> None:
     """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips);
     quantized per (token, head) into an fp8 cache when its scale caches are given (V
     into transposed head pages)."""
@@ -105,6 +139,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
     if n == 0:
         return
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
+    if quant and fp8_tokens > 1:  # 1: the per-token kernel below (kept for A/B benches)
+        _store_kv_fp8_kernel[(triton.cdiv(n, fp8_tokens), h)](
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *k_cache.stride()[:4],
+            D=d, PAGE=page, PPB=ppb, BLOCK_T=fp8_tokens, BLOCK_D=block_d,
+            HEADROOM=HEADROOM_BITS, num_warps=num_warps or 4,
+        )
+        return
     if num_warps is None:
         num_warps = 4 if block_h * block_d >= 1024 else 1
     _store_kv_kernel[(n,)](

@@ -134,12 +134,13 @@ def test_torch_backend_attention_equals_the_reference_and_another_heads_scales_a
 
 # -- the Triton kernels (interpreter on CPU) against the reference ----------------------
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_triton_store_writes_the_references_bytes(seed):
+@pytest.mark.parametrize("seed,tokens", [(0, 32), (1, 32), (0, 1), (1, 16)])
+def test_triton_store_writes_the_references_bytes(seed, tokens):
+    """Any tokens a program (40 tokens: a partial last program), the same bytes."""
     slots, k, v = _kv(seed)
     want, got = _caches(), _caches(DEV)
     ref.store_kv(k, v, *want[:2], slots, *want[2:])
-    store_kv(k.to(DEV), v.to(DEV), *got[:2], slots.to(DEV), *got[2:])
+    store_kv(k.to(DEV), v.to(DEV), *got[:2], slots.to(DEV), *got[2:], fp8_tokens=tokens)
     assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want), strict=True))
 
 

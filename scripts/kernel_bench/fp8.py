@@ -101,9 +101,13 @@ def bench_fp8_store(run) -> None:
             k8, v8 = (torch.zeros((*shape, d), dtype=FP8, device=run.dev) for _ in range(2))
             ks, vs = (torch.zeros((*shape, 1), dtype=torch.uint8, device=run.dev) for _ in range(2))
             ms = run.time_ms(partial(store_kv, k, v, k8, v8, slots, ks, vs))
-            run.add("store_kv triton fp8", f"N{n} page{page}", ms,
-                    nbytes=2 * n * hkv * (2 * d + d + 1), baseline=ms16,
+            nbytes = 2 * n * hkv * (2 * d + d + 1)
+            run.add("store_kv triton fp8", f"N{n} page{page}", ms, nbytes=nbytes, baseline=ms16,
                     note="vs_baseline: the bf16 write of the same tokens")
+            for tokens in (1, 16, 64):  # 1: a program per token (every head), the first form
+                alt = run.time_ms(partial(store_kv, k, v, k8, v8, slots, ks, vs, fp8_tokens=tokens))
+                run.add(f"store_kv triton fp8 T{tokens}", f"N{n} page{page}", alt, nbytes=nbytes,
+                        baseline=ms, note="vs_baseline: the default 32 tokens a program")
 
 
 def bench_fp8(run) -> None:
