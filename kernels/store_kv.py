@@ -120,13 +120,25 @@ def _store_kv_fp8_kernel(
     tl.store(ks_ptr + head // D, ke.to(tl.uint8), mask=row_ok)
     tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=row_ok)
     tl.store(kc_ptr + head[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
-    v_col = head - tok * s_ct + tok  # token tok's column in its [D, PAGE] head page
-    tl.store(vc_ptr + d[:, None] * PAGE + v_col[None, :], tl.trans(v).to(vc_ptr.dtype.element_ty),
-             mask=tl.trans(mask))
+    v = tl.trans(v).to(vc_ptr.dtype.element_ty)  # [BLOCK_D, BLOCK_T]
+    # A run (every token valid, consecutive slots inside one page, as a prefill chunk's
+    # mostly are): addresses the compiler can see are contiguous along the tokens, so it
+    # lays the lanes along them; otherwise each token's column on its own.
+    t = tl.arange(0, BLOCK_T)
+    first = tl.sum(tl.where(t == 0, slot, 0))
+    run = (tl.sum(((slot == first + t) & row_ok).to(tl.int32)) == BLOCK_T) & (first % PAGE + BLOCK_T <= PAGE)
+    if run:
+        f_off = first % (PAGE * PPB)
+        f_tok = f_off % PAGE
+        col0 = (first // (PAGE * PPB)) * s_cb + (f_off // PAGE) * s_cp + h * s_ch + f_tok
+        tl.store(vc_ptr + col0 + d[:, None] * PAGE + t[None, :], v, mask=(d < D)[:, None])
+    else:
+        v_col = head - tok * s_ct + tok  # token tok's column in its [D, PAGE] head page
+        tl.store(vc_ptr + d[:, None] * PAGE + v_col[None, :], v, mask=tl.trans(mask))
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
-             num_warps: int | None = None, fp8_tokens: int = 32) -> None:
+             num_warps: int | None = None, fp8_tokens: int | None = None) -> None:
     """Write token ``i``'s K/V ([N, H_kv, D]) to slot ``slot_mapping[i]`` (-1 skips);
     quantized per (token, head) into an fp8 cache when its scale caches are given (V
     into transposed head pages)."""
@@ -139,12 +151,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
     if n == 0:
         return
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    if quant and fp8_tokens > 1:  # 1: the per-token kernel below (kept for A/B benches)
-        _store_kv_fp8_kernel[(triton.cdiv(n, fp8_tokens), h)](
+    block_t = fp8_tokens or min(32, page)  # a run never spans pages
+    if quant and block_t > 1:  # 1: the per-token kernel below (kept for A/B benches)
+        _store_kv_fp8_kernel[(triton.cdiv(n, block_t), h)](
             k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *k_cache.stride()[:4],
-            D=d, PAGE=page, PPB=ppb, BLOCK_T=fp8_tokens, BLOCK_D=block_d,
+            D=d, PAGE=page, PPB=ppb, BLOCK_T=block_t, BLOCK_D=block_d,
             HEADROOM=HEADROOM_BITS, num_warps=num_warps or 4,
         )
         return

@@ -134,10 +134,15 @@ def test_torch_backend_attention_equals_the_reference_and_another_heads_scales_a
 
 # -- the Triton kernels (interpreter on CPU) against the reference ----------------------
 
-@pytest.mark.parametrize("seed,tokens", [(0, 32), (1, 32), (0, 1), (1, 16)])
-def test_triton_store_writes_the_references_bytes(seed, tokens):
-    """Any tokens a program (40 tokens: a partial last program), the same bytes."""
+@pytest.mark.parametrize("seed,tokens,runs", [(0, None, False), (1, 32, False), (0, 1, False),
+                                              (1, None, True), (2, 8, True), (3, 32, True)])
+def test_triton_store_writes_the_references_bytes(seed, tokens, runs):
+    """Any tokens a program (40 tokens: a partial last program), scattered slots or runs
+    of consecutive ones (some crossing a page, one cut by a skipped slot), the same bytes."""
     slots, k, v = _kv(seed)
+    if runs:
+        slots = torch.cat([torch.arange(16, 40), torch.arange(100, 116)])
+        slots[30] = -1
     want, got = _caches(), _caches(DEV)
     ref.store_kv(k, v, *want[:2], slots, *want[2:])
     store_kv(k.to(DEV), v.to(DEV), *got[:2], slots.to(DEV), *got[2:], fp8_tokens=tokens)
