@@ -1,6 +1,6 @@
 """KV write: scatter new tokens' K/V into the paged, head-major cache.
 
-One program per token writes every KV head of both fields; the token axis is grid
+A 16/32-bit cache: one program per token writes every KV head of both fields; the token axis is grid
 axis 0, so any batch size launches (CUDA caps y/z at 65535). ``page_tokens`` and
 ``pages_per_block`` are compile-time constants, so the page-16 and page-128 bindings
 each get their own specialised binary with the slot arithmetic folded to shifts.
@@ -10,8 +10,8 @@ An fp8 cache (with its scale caches) is quantized here as kernels/kv_quant.py do
 two, rounded to e4m3 (a row with a NaN or inf as zeros under exponent 255, as there); the
 scale caches share the cache's layout with D = 1, so a token-head's scale sits at its first
 element's offset divided by D. An fp8 V goes into its head page transposed (``[D, page]``,
-kernels/reference.py): element ``d`` of token ``t`` at ``d * PAGE + t``; adjacent tokens'
-programs fill the same 32-byte sectors, which L2 merges before they reach memory.
+kernels/reference.py): element ``d`` of token ``t`` at ``d * PAGE + t``, so the fp8 write
+takes a program per (16 tokens, KV head) and stores V as a [D, tokens] tile.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def _quantized(x, HEADROOM: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_cp, s_ch, s_ct,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, HEADROOM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -70,24 +70,13 @@ def _store_kv_kernel(
     slot = tl.maximum(slot, 0)
     block = slot // (PAGE * PPB)
     off = slot % (PAGE * PPB)
-    page = off // PAGE
-    tok = off % PAGE
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < H)[:, None] & (d < D)[None, :] & keep
-    dst = block * s_cb + page * s_cp + tok * s_ct + h[:, None] * s_ch + d[None, :]
+    dst = block * s_cb + (off // PAGE) * s_cp + (off % PAGE) * s_ct + h[:, None] * s_ch + d[None, :]
     k = tl.load(k_ptr + i * s_kn + h[:, None] * s_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + i * s_vn + h[:, None] * s_vh + d[None, :], mask=mask)
-    if QUANT:
-        head = block * s_cb + page * s_cp + tok * s_ct + h * s_ch  # each head's first element
-        h_ok = (h < H) & (tl.max(keep.to(tl.int32), axis=1) > 0)
-        k, ke = _quantized(tl.where(mask, k.to(tl.float32), 0.0), HEADROOM)
-        v, ve = _quantized(tl.where(mask, v.to(tl.float32), 0.0), HEADROOM)
-        tl.store(ks_ptr + head // D, ke.to(tl.uint8), mask=h_ok)
-        tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=h_ok)
     tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    if QUANT:  # V's head page stored [D, PAGE]
-        dst = block * s_cb + page * s_cp + h[:, None] * s_ch + d[None, :] * PAGE + tok
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,7 +91,8 @@ def _store_kv_fp8_kernel(
     """The quantizing write, one program per (``BLOCK_T`` tokens, KV head): V (stored
     [D, PAGE] per head page) is written as a [D, BLOCK_T] tile whose neighbouring lanes
     hold neighbouring tokens, so consecutive slots' bytes land side by side instead of
-    one token's D bytes a page apart (a program per token: 0.16-0.41x the bf16 write)."""
+    one token's D bytes a page apart (a program per token, every head, wrote them so at
+    0.13-0.16x the bf16 write's speed at page 128 on the H200; this kernel 0.54-0.69x)."""
     h = tl.program_id(1)
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + i, mask=i < n, other=-1).to(tl.int64)
@@ -151,8 +141,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
     if n == 0:
         return
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    block_t = fp8_tokens or min(32, page)  # a run never spans pages
-    if quant and block_t > 1:  # 1: the per-token kernel below (kept for A/B benches)
+    if quant:  # tokens a program: 16 beat 1, 32 and 64 on the H200 (bench/KERNEL_NOTES.md)
+        block_t = fp8_tokens or min(16, page)  # a run never spans pages
         _store_kv_fp8_kernel[(triton.cdiv(n, block_t), h)](
             k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -165,9 +155,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
         num_warps = 4 if block_h * block_d >= 1024 else 1
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
-        k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:4],
-        H=h, D=d, PAGE=page, PPB=ppb, BLOCK_H=block_h, BLOCK_D=block_d,
-        QUANT=quant, HEADROOM=HEADROOM_BITS, num_warps=num_warps,
+        H=h, D=d, PAGE=page, PPB=ppb, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )

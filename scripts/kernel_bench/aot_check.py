@@ -143,11 +143,7 @@ def cases():
     # fp8 (e4m3) KV: the quantizing write and the dequantizing decode and pointer prefill.
     f8 = "*fp8e4nv"
     yield ("store_kv fp8", SK._store_kv_fp8_kernel,
-           dict(D=128, PAGE=16, PPB=8, BLOCK_T=32, BLOCK_D=128),
-           dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
-           dict(num_warps=4), False)
-    yield ("store_kv fp8 a program per token", SK._store_kv_kernel,
-           dict(H=8, D=128, PAGE=16, PPB=8, BLOCK_H=8, BLOCK_D=128, QUANT=True),
+           dict(D=128, PAGE=16, PPB=8, BLOCK_T=16, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
     yield ("decode fp8", DA._paged_split_kernel,
