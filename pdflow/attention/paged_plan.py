@@ -26,11 +26,15 @@ class Geometry:
     pages_per_block: int
     num_kv_heads: int
     page_tokens: int
+    head_dim: int
+    # An fp8 cache: V's head pages are stored [D, page] (kernels/reference.py), so its
+    # rows are moved element by element (``v_elements``).
+    v_transposed: bool
 
     @classmethod
     def of(cls, cache: torch.Tensor) -> Geometry:
-        _, ppb, h_kv, page, _ = cache.shape
-        return cls(ppb, h_kv, page)
+        _, ppb, h_kv, page, d = cache.shape
+        return cls(ppb, h_kv, page, d, cache.element_size() == 1)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,6 +48,8 @@ class StorePlan:
     rows: torch.Tensor
     # [n] tokens kept (slot >= 0), or None when every token is stored.
     keep: torch.Tensor | None
+    # [n * H_kv * D] element offsets of ``rows`` in an fp8 V cache, or None.
+    v_elements: torch.Tensor | None
 
 
 def store_plan(slot_mapping: torch.Tensor, geo: Geometry) -> StorePlan:
@@ -58,8 +64,8 @@ def store_plan(slot_mapping: torch.Tensor, geo: Geometry) -> StorePlan:
     page_row = block * geo.pages_per_block + torch.div(off, geo.page_tokens, rounding_mode="floor")
     tok = off % geo.page_tokens
     heads = torch.arange(geo.num_kv_heads, device=slots.device)
-    rows = ((page_row[:, None] * geo.num_kv_heads + heads) * geo.page_tokens + tok[:, None])
-    return StorePlan(rows=rows.flatten(), keep=keep)
+    rows = ((page_row[:, None] * geo.num_kv_heads + heads) * geo.page_tokens + tok[:, None]).flatten()
+    return StorePlan(rows=rows, keep=keep, v_elements=v_elements(rows, geo))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,8 @@ class GatherPlan:
     rows: torch.Tensor  # [B * H_kv * length] into cache.view(-1, D)
     batch: int
     length: int
+    # [B * H_kv * length * D] element offsets of ``rows`` in an fp8 V cache, or None.
+    v_elements: torch.Tensor | None
 
 
 def gather_plan(block_tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int,
@@ -87,17 +95,21 @@ def gather_plan(block_tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int,
     page_rows = blocks * ppb + torch.div(off, page, rounding_mode="floor")
     heads = torch.arange(geo.num_kv_heads, device=device)
     rows = (page_rows[:, None, :] * geo.num_kv_heads + heads[None, :, None]) * page
-    rows = rows + (off % page)[:, None, :]
-    return GatherPlan(rows=rows.flatten(), batch=block_tables.shape[0], length=max_ctx)
+    rows = (rows + (off % page)[:, None, :]).flatten()
+    return GatherPlan(rows=rows, batch=block_tables.shape[0], length=max_ctx,
+                      v_elements=v_elements(rows, geo))
 
 
-def transposed_elements(rows: torch.Tensor, page: int, d: int) -> torch.Tensor:
-    """[len(rows), D] element offsets of cache rows in a cache whose head pages are
-    stored [D, page] (an fp8 V cache, kernels/reference.py): row ``r = page_head * page +
-    t`` holds elements ``page_head * page * D + i * page + t``."""
+def v_elements(rows: torch.Tensor, geo: Geometry) -> torch.Tensor | None:
+    """Flat element offsets of cache rows in a cache whose head pages are stored
+    [D, page] (an fp8 V cache, kernels/reference.py): row ``r = page_head * page + t``
+    holds elements ``page_head * page * D + i * page + t``; None for other caches."""
+    if not geo.v_transposed:
+        return None
+    page, d = geo.page_tokens, geo.head_dim
     t = rows % page
     base = (rows - t) * d + t
-    return base[:, None] + torch.arange(d, device=rows.device) * page
+    return (base[:, None] + torch.arange(d, device=rows.device) * page).flatten()
 
 
 @dataclass(frozen=True, slots=True)

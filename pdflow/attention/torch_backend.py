@@ -17,8 +17,8 @@ An fp8 cache comes with its scale caches (``k_scale``/``v_scale``, kernels/kv_qu
 the store quantizes, and every read gathers the scale rows with the same row index
 (a scale cache is its cache with D = 1) and dequantizes before the matmuls, so each
 value read equals the reference's exactly. An fp8 V cache's head pages are transposed
-([D, page], kernels/reference.py): its rows are moved element by element through
-``paged_plan.transposed_elements`` (memoised with the step's rows).
+([D, page], kernels/reference.py): its rows are moved element by element, through the
+plans' ``v_elements``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,6 @@ class TorchBackend:
     def __init__(self):
         self._store, self._decode, self._prefill = _Memo(), _Memo(), _Memo()
         self._buffers: dict[tuple, torch.Tensor] = {}
-        # id(rows), page, D -> (rows, their transposed_elements), for fp8 V
-        self._elements: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -83,25 +81,12 @@ class TorchBackend:
         torch.index_select(raw.view(-1, d), 0, gather.rows, out=out)
         return out.view(cache.dtype).view(gather.batch, h_kv, gather.length, d)
 
-    def _v_elements(self, rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """Flat element offsets [len(rows) * D] of ``rows`` in an fp8 V cache, kept per
-        rows tensor (a step's plans hold several; each layer asks for the same ones)."""
-        _, _, _, page, d = cache.shape
-        key = (id(rows), page, d)
-        hit = self._elements.get(key)
-        if hit is None or hit[0] is not rows:
-            if len(self._elements) >= 64:
-                self._elements.clear()
-            hit = self._elements[key] = (rows, plans.transposed_elements(rows, page, d).flatten())
-        return hit[1]
-
     def _read(self, cache, scale_cache, gather: plans.GatherPlan, which: str, acc):
         """The gathered K or V in ``acc``, dequantized when the cache has scales."""
         if scale_cache is None:
             return self._gather(cache, gather, which).to(acc)
         if which == "v":
-            idx = self._v_elements(gather.rows, cache)
-            x = _bytes(cache).view(-1).index_select(0, idx).view(cache.dtype)
+            x = _bytes(cache).view(-1).index_select(0, gather.v_elements).view(cache.dtype)
             x = x.view(gather.batch, cache.shape[2], gather.length, cache.shape[-1])
         else:
             x = self._gather(cache, gather, which)
@@ -129,8 +114,7 @@ class TorchBackend:
                 continue
             data, e = quantize(rows)
             if cache is v_cache:
-                _bytes(cache).view(-1).index_copy_(0, self._v_elements(plan.rows, cache),
-                                                   _bytes(data).flatten())
+                _bytes(cache).view(-1).index_copy_(0, plan.v_elements, _bytes(data).flatten())
             else:
                 _bytes(cache).view(-1, d).index_copy_(0, plan.rows, _bytes(data))
             sc.view(-1, 1).index_copy_(0, plan.rows, e[:, None])
