@@ -116,6 +116,14 @@ def exp2_biased(e):
 
 
 @triton.jit
+def v_column(tok, t_in, s_ct):
+    """Where token ``t_in`` of an fp8 V head page begins, the page stored [D, PAGE]
+    (kernels/reference.py): ``tok`` is the token's offset in a [PAGE, D] page (``t_in *
+    s_ct`` past the page's start), its element ``d`` is ``d * PAGE`` past the result."""
+    return tok - t_in * s_ct + t_in
+
+
+@triton.jit
 def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr,
             DT: tl.constexpr, PAGE: tl.constexpr = 1, V_T: tl.constexpr = False):
     """[BLOCK_N, BLOCK_D] of K or V at element offsets ``tok`` (+ d), in ``DT``: dequantized
@@ -123,8 +131,8 @@ def load_kv(c_ptr, s_ptr, tok, d, mask, row_ok, D: tl.constexpr, QUANT: tl.const
     is fp8. ``V_T``: an fp8 V cache, whose head pages are stored [D, PAGE] (token ``t``'s
     element ``d`` at the page's ``d * PAGE + t``; ``tok`` stays the [PAGE, D] offset)."""
     if V_T:
-        t_in = (tok // D) % PAGE
-        x = tl.load(c_ptr + (tok - t_in * D + t_in)[:, None] + d[None, :] * PAGE, mask=mask, other=0.0)
+        x = tl.load(c_ptr + v_column(tok, (tok // D) % PAGE, D)[:, None] + d[None, :] * PAGE,
+                    mask=mask, other=0.0)
     else:
         x = tl.load(c_ptr + tok[:, None] + d[None, :], mask=mask, other=0.0)
     if QUANT:

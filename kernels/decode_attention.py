@@ -16,8 +16,8 @@ a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per tw
 and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does,
 V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's operand
 needs no byte-wise transpose in shared memory; 1.3-1.9x V stored [page, D] on the H200,
-bench/KERNEL_NOTES.md); each token-head's power-of-two scale (its byte exponent, kernels/kv_quant.py) is applied to
-the score and p columns instead of every element: the same products. The scale bytes are
+bench/KERNEL_NOTES.md); each token-head's power-of-two scale (its byte exponent,
+kernels/kv_quant.py) is applied to the score and p columns instead of every element: the same products. The scale bytes are
 read a page row at a time, a tile ahead (1.17-1.24x the per-element dequantization on the
 H200: bench/RESULTS.md).
 """
@@ -41,6 +41,7 @@ from ._common import (
     scale_rows,
     scales_of,
     sm_count,
+    v_column,
 )
 from .reference import decode_attention as decode_attention_reference
 
@@ -135,7 +136,6 @@ def _paged_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
         tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
-        kv_mask = ok[:, None] & d_ok[None, :]
         if QUANT:
             ek = ek_next
             ev = ev_next
@@ -146,8 +146,7 @@ def _paged_split_kernel(
             sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
             # V's head page is stored [D, PAGE]: a column of V is PAGE contiguous tokens.
-            t_in = pos % PAGE
-            v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
+            v_col = tl.max_contiguous(tl.multiple_of(v_column(tok, pos % PAGE, s_ct), SW), SW)
             # No token mask (it would split the contiguous runs) and no zeroing (an
             # elementwise op on V sends the tile through shared memory again in 16 bits):
             # a token past the context reads a real page (block 0 at worst) whose bytes
@@ -156,6 +155,7 @@ def _paged_split_kernel(
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
+            kv_mask = ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)

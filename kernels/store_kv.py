@@ -1,7 +1,7 @@
 """KV write: scatter new tokens' K/V into the paged, head-major cache.
 
-A 16/32-bit cache: one program per token writes every KV head of both fields; the token axis is grid
-axis 0, so any batch size launches (CUDA caps y/z at 65535). ``page_tokens`` and
+A 16/32-bit cache: one program per token writes every KV head of both fields; the token
+axis is grid axis 0, so any batch size launches (CUDA caps y/z at 65535). ``page_tokens`` and
 ``pages_per_block`` are compile-time constants, so the page-16 and page-128 bindings
 each get their own specialised binary with the slot arithmetic folded to shifts.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import kv_scales
+from ._common import kv_scales, v_column
 from .kv_quant import HEADROOM_BITS, MIN_NORMAL, NONFINITE_EXP
 from .reference import store_kv as store_kv_reference
 
@@ -112,6 +112,7 @@ def _store_kv_fp8_kernel(
     tl.store(vs_ptr + head // D, ve.to(tl.uint8), mask=row_ok)
     tl.store(kc_ptr + head[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
     v = tl.trans(v).to(vc_ptr.dtype.element_ty)  # [BLOCK_D, BLOCK_T]
+    v_col = v_column(head, tok, s_ct)  # each token's column in its [D, PAGE] head page
     # A run (every token valid, consecutive slots inside one page, as a prefill chunk's
     # mostly are): addresses the compiler can see are contiguous along the tokens, so it
     # lays the lanes along them; otherwise each token's column on its own.
@@ -119,12 +120,9 @@ def _store_kv_fp8_kernel(
     first = tl.sum(tl.where(t == 0, slot, 0))
     run = (tl.sum(((slot == first + t) & row_ok).to(tl.int32)) == BLOCK_T) & (first % PAGE + BLOCK_T <= PAGE)
     if run:
-        f_off = first % (PAGE * PPB)
-        f_tok = f_off % PAGE
-        col0 = (first // (PAGE * PPB)) * s_cb + (f_off // PAGE) * s_cp + h * s_ch + f_tok
+        col0 = tl.sum(tl.where(t == 0, v_col, 0))
         tl.store(vc_ptr + col0 + d[:, None] * PAGE + t[None, :], v, mask=(d < D)[:, None])
     else:
-        v_col = head - tok * s_ct + tok  # token tok's column in its [D, PAGE] head page
         tl.store(vc_ptr + d[:, None] * PAGE + v_col[None, :], v, mask=tl.trans(mask))
 
 
