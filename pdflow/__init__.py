@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pdflow.engine.llm",
     "SamplingParams": "pdflow.engine.sampling_params",
-    "Deployment": "pdflow.serve.deployment",
+    "Deployment": "pdflow.engine.deployment",
     "compose": "pdflow.spec.load",
 }
 __all__ = ["LLM", "Deployment", "SamplingParams", "compose", "__version__"]

@@ -263,6 +263,6 @@ def test_importing_the_transfer_path_loads_no_triton():
     import subprocess
     import sys
 
-    code = ("import sys, pdflow.serve.deployment, pdflow.worker.kv_link, pdflow.transfer.p2p; "
+    code = ("import sys, pdflow.engine.deployment, pdflow.worker.kv_link, pdflow.transfer.p2p; "
             "sys.exit('triton.language' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

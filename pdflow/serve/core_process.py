@@ -131,9 +131,9 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     """Entry of the engine-core process (spawned by ``supervisor``). SIGTERM: fail what is
     running with 503, stop the ranks, exit 0; a broken engine exits 1 (the server follows)."""
     watch_parent(parent_pid)
+    from pdflow.engine.deployment import Deployment
     from pdflow.serve.admission import policy_of
     from pdflow.serve.backend import LLMBackend
-    from pdflow.serve.deployment import Deployment
     from pdflow.serve.metrics import ServeMetrics
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
