@@ -16,7 +16,9 @@ a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per tw
 and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does,
 V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's operand
 needs no byte-wise transpose in shared memory; 1.3-1.9x V stored [page, D] on the H200,
-bench/KERNEL_NOTES.md); each token-head's power-of-two scale (its byte exponent,
+bench/KERNEL_NOTES.md), read a page at a time when pages are shorter than the tile
+(``V_PAGES``: [pages, D, page], so a warp reads a page's rows whole; 1.2-1.26x the tile's
+[tokens, D] read at page 16 on the H200); each token-head's power-of-two scale (its byte exponent,
 kernels/kv_quant.py) is applied to the score and p columns instead of every element: the same products. The scale bytes are
 read a page row at a time, a tile ahead (1.17-1.24x the per-element dequantization on the
 H200: bench/RESULTS.md).
@@ -41,7 +43,6 @@ from ._common import (
     scale_rows,
     scales_of,
     sm_count,
-    v_column,
 )
 from .reference import decode_attention as decode_attention_reference
 
@@ -99,7 +100,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, PPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    SW: tl.constexpr, F8_F16: tl.constexpr,
+    SW: tl.constexpr, F8_F16: tl.constexpr, V_PAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -146,12 +147,24 @@ def _paged_split_kernel(
             sv = scales_of(ev, ok, BLOCK_N)
             k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
             # V's head page is stored [D, PAGE]: a column of V is PAGE contiguous tokens.
-            v_col = tl.max_contiguous(tl.multiple_of(v_column(tok, pos % PAGE, s_ct), SW), SW)
             # No token mask (it would split the contiguous runs) and no zeroing (an
             # elementwise op on V sends the tile through shared memory again in 16 bits):
             # a token past the context reads a real page (block 0 at worst) whose bytes
             # the writer never leaves NaN (kv_quant), and its p is exactly 0.
-            v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
+            if V_PAGES:  # pages shorter than the tile: read as [pages, D, PAGE], a page's rows whole
+                first = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
+                start_t = tl.multiple_of(page_offsets(bt_row, first, first < end, kvh, s_cb, s_cp, s_ch, s_ct,
+                                                      PAGE, PPB), PAGE)
+                in_page = tl.arange(0, PAGE)
+                v3 = tl.load(vc_ptr + start_t[:, None, None] + d[None, :, None] * PAGE + in_page[None, None, :],
+                             mask=d_ok[None, :, None], other=0.0)
+                v = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+            else:
+                # Written out, not _common.v_column: through the call, triton 3.6 lost these
+                # hints and read V a byte at a time (2.5-3x slower on the H200).
+                t_in = pos % PAGE
+                v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
+                v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
@@ -227,14 +240,15 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None,
+    num_warps=None, num_stages=None, out=None, v_pages=None,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
     ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8); its V
-    head pages stored transposed (kernels/reference.py)."""
+    head pages stored transposed (kernels/reference.py), read a page at a time when pages
+    are shorter than the tile (``v_pages=False``: as one [tokens, D] tile, for A/B)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -295,6 +309,7 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
+        V_PAGES=quant and page < block_n and v_pages is not False,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

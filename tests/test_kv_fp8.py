@@ -225,11 +225,12 @@ def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(spl
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
+@pytest.mark.parametrize("splits,v_pages", [(1, None), (2, None), (1, False)])
+def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits, v_pages):
     """The decode reads each tile's scales a tile ahead and their blocks two ahead:
     contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a context
-    ending mid-tile and one of a single token, equal the reference."""
+    ending mid-tile and one of a single token, equal the reference; V read per page
+    ([pages, D, page], the default at page 16) or per tile of tokens (``v_pages=False``)."""
     nb, h, page, ppb, d = 40, 2, 16, 2, 64
     gen = torch.Generator().manual_seed(9)
     n = nb * ppb * page
@@ -243,7 +244,8 @@ def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits):
     lens = torch.tensor([384, 301, 1], dtype=torch.int32)
     q = torch.randn(3, 4, d, generator=gen)
     want = ref.decode_attention(q, kc.cpu(), vc.cpu(), lens, bt, 0.125, ks.cpu(), vs.cpu())
-    got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs, num_splits=splits)
+    got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs, num_splits=splits,
+                           v_pages=v_pages)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
 
 

@@ -42,7 +42,12 @@ BF = "*bf16"
 # The fp8 KV cache's per-(token, head) scale caches (e8m0 bytes) and the constexprs of the
 # kernels that read or write them: a case that does not say compiles the unquantized path.
 SCALE_PTRS = {"ks_ptr": "*u8", "vs_ptr": "*u8"}
-QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False}
+QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False, "V_PAGES": False}
+# The fp8 decode's async copies (cp.async) at num_stages 4: K and V tiles both pipelined.
+# Fewer means a tile went back to plain loads (V as byte loads ran 2.5-3x slower on the
+# H200, bench/KERNEL_NOTES.md).
+FP8_DECODE_COPIES = 6
+FP8_DECODE_LOADS = 16  # q, scales, block table: 10 at sm_90 (triton 3.6 read V bytewise: 138)
 
 
 def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **opts):
@@ -146,10 +151,11 @@ def cases():
            dict(D=128, PAGE=16, PPB=8, BLOCK_T=16, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
-    yield ("decode fp8", DA._paged_split_kernel,
-           {**base, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16, "SPLITS": 1, "QUANT": True,
-            "F8_F16": True},
-           {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), True)
+    for page, ppb, v_pages in ((16, 8, True), (16, 8, False), (128, 1, False)):
+        yield (f"decode fp8 page{page}{' v_pages' if v_pages else ''}", DA._paged_split_kernel,
+               {**base, "PAGE": page, "PPB": ppb, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16,
+                "SPLITS": 1, "QUANT": True, "F8_F16": True, "SW": min(page, 128), "V_PAGES": v_pages},
+               {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=4, num_stages=4), FP8_DECODE_COPIES)
     yield ("prefill fp8", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64, "QUANT": True},
            {**pre, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=8, num_stages=2), False)
 
@@ -185,7 +191,11 @@ def main() -> int:
     for name, fn, consts, ptrs, opts, want_async in cases():
         k = compile_sm90(fn, consts, ptrs, ("scale_log2",), **opts)
         n_async = k.asm["ttgir"].count("copy_global_to_local")  # cp.async or TMA
-        ok = k.metadata.shared <= SMEM_LIMIT and (n_async > 0 or not want_async)
+        ok = k.metadata.shared <= SMEM_LIMIT and n_async >= int(want_async)
+        if name.startswith("decode fp8"):  # K and V through cp.async, not element loads
+            n_loads = k.asm["ptx"].count("ld.global")
+            ok = ok and n_loads <= FP8_DECODE_LOADS
+            name += f" ({n_loads} global loads)"
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B, "
               f"async copies {n_async}, {opts}")

@@ -129,13 +129,18 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
+            if page < 128:  # V read as [pages, D, page] per tile (a page's rows whole per warp)
+                fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_pages=True)
+                run.add("decode triton fp8 kv vpages", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+                        nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
+                        note="vs_baseline: V read as [tile tokens, D]")
             if not run.tiny:  # half the bytes of a bf16 step: does a second wave of programs pay?
                 for splits in (2, 4):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
                     run.add(f"decode triton fp8 kv splits{splits}", f"B{b} ctx{ctx} page{page}",
                             run.time_ms(fn), nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                             note="vs_baseline: the default splits")
-            if ctx == 8192 and not run.tiny:  # the tiles a smaller cache may want (not the default)
+            if ctx in (2048, 8192) and not run.tiny:  # the tiles a smaller cache may want (not the default)
                 for block_n, warps, stages in ((64, 4, 4), (128, 4, 3), (256, 8, 3), (128, 8, 4)):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, block_n=block_n,
                                  num_warps=warps, num_stages=stages)
