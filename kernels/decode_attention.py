@@ -267,10 +267,14 @@ def paged_attention(
         # decode step, bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages.
         wide = quant or (nx > 0 and q.element_size() <= 2)
         block_n = (128 if wide else 64) if block_m <= 64 else 32
+    # fp8 decode over pages shorter than the tile: two warps, two stages (H200, page 16:
+    # 1.02-1.07x four warps and four stages at 8K-32K tokens, bench/KERNEL_NOTES.md row 48).
+    narrow = quant and page < block_n and nx == 0
     if num_warps is None:
-        num_warps = 4
+        num_warps = 2 if narrow else 4
     if num_stages is None:
-        num_stages = 4 if q.is_cuda else 1  # fastest on the H200 at B64 x 8 heads (bn64 w4 st4 splits1)
+        # fastest on the H200 at B64 x 8 heads (bn64 w4 st4 splits1)
+        num_stages = (2 if narrow else 4) if q.is_cuda else 1
     if num_splits is None:
         num_splits = default_splits(bsz, h_kv, q.device, max_context)
     if nx:

@@ -27,7 +27,7 @@ def test_kernels_compile_for_sm90_and_pipeline():
 
     assert out.stdout.count("ok  ") == 24 + 2 * gluon_available(), out.stdout  # 5 of them fp8 KV
     # The fp8 decode's K and V through cp.async at both page sizes (aot_check counts its
-    # global loads: triton 3.6 once read V a byte at a time through a helper call).
+    # byte loads: triton 3.6 once read V a byte at a time through a helper call).
     for case in ("decode fp8 page16 v_pages", "decode fp8 page16 (", "decode fp8 page128"):
         assert f"ok   {case}" in out.stdout, out.stdout
     # The pointer prefill's launcher-picked tiles fit sm_90 for fp32 and wide heads.

@@ -18,11 +18,13 @@ from pdflow.kernels import reference as ref
 from pdflow.kernels.block_attention import block_attention
 from pdflow.kernels.decode_attention import decode_attention
 from pdflow.kernels.kv_quant import FP8
+from pdflow.kernels.prefill_attention import prefill_attention as prefill_pointer
+from pdflow.kernels.prefill_auto import prefill_attention as prefill_default
 from pdflow.kernels.store_kv import store_kv
 
 from . import paged_inputs as T
 from .benchmarks import _record as check_close
-from .shapes import DT, PAGES, decode_bytes, heads
+from .shapes import DT, PAGES, causal_flops, decode_bytes, heads, prefill_case
 
 
 def fp8_paged(batch, ctx, h_kv, d, page, ppb, device, seed=0):
@@ -110,9 +112,29 @@ def bench_fp8_store(run) -> None:
                         baseline=ms, note="vs_baseline: the default tokens a program")
 
 
+def bench_fp8_prefill(run) -> None:
+    """Prefill over an fp8 cache (the pointer kernel, dequantizing as it loads) against
+    the bf16 cache's default prefill and the same pointer kernel in bf16."""
+    hq, hkv, d = heads(run)
+    for t in ([48] if run.tiny else [2048, 8192]):
+        flops = causal_flops(t, hq, d)
+        for page, ppb in PAGES:
+            q, kc, vc, cu, cl, bt = prefill_case(run, t, page, ppb)
+            base = run.time_ms(partial(prefill_default, q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t))
+            run.add("prefill default bf16 kv", f"T{t} page{page}", base, flops=flops)
+            ptr = run.time_ms(partial(prefill_pointer, q, kc, vc, cu, cl, bt, d**-0.5, max_seqlen_q=t))
+            run.add("prefill pointer bf16 kv", f"T{t} page{page}", ptr, flops=flops, baseline=base,
+                    note="vs_baseline: the bf16 default prefill")
+            k8, v8, ks, vs, cl8, bt8 = fp8_paged(1, t, hkv, d, page, ppb, run.dev)
+            fn = partial(prefill_pointer, q, k8, v8, cu, cl8, bt8, d**-0.5, max_seqlen_q=t, k_scale=ks, v_scale=vs)
+            run.add("prefill pointer fp8 kv", f"T{t} page{page}", run.time_ms(fn), flops=flops, baseline=base,
+                    note="vs_baseline: the bf16 default prefill")
+
+
 def bench_fp8(run) -> None:
     """fp8 decode vs copy of its bytes (the acceptance: >= 0.9x), beside bf16 decode."""
     bench_fp8_store(run)
+    bench_fp8_prefill(run)
     hq, hkv, d = heads(run)
     b = 2 if run.tiny else 64
     run.fp8_vs_copy = {}
