@@ -18,15 +18,16 @@ V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's 
 needs no byte-wise transpose in shared memory; 1.3-1.9x V stored [page, D] on the H200,
 bench/KERNEL_NOTES.md), read a page at a time when pages are shorter than the tile
 (``V_PAGES``: [pages, D, page], so a warp reads a page's rows whole; 1.2-1.26x the tile's
-[tokens, D] read at page 16 on the H200); each token-head's power-of-two scale (its byte exponent,
-kernels/kv_quant.py) is applied to the score and p columns instead of every element: the same products. The scale bytes are
-read a page row at a time, a tile ahead (1.17-1.24x the per-element dequantization on the
-H200: bench/RESULTS.md).
+[tokens, D] read at page 16 on the H200); each token-head's power-of-two scale (its byte
+exponent, kernels/kv_quant.py) is applied to the score and p columns instead of every
+element: the same products. The scale bytes are read a page row at a time, a tile ahead
+(1.17-1.24x the per-element dequantization on the H200: bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -237,6 +238,35 @@ def default_splits(batch: int, h_kv: int, device: torch.device, max_context: int
     return splits
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodeTiles:
+    """What a launch defaults to (``decode_tiles``)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    v_pages: bool  # an fp8 V read a page at a time ([pages, D, page])
+
+
+def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int, cuda: bool,
+                 block_n: int | None = None) -> DecodeTiles:
+    """The default tile, warps and stages of a launch (``block_n`` given: the rest for it).
+    fp8: half the bytes per tile, so twice the tokens (1.3x on the H200). A 16-bit DSpark
+    block (32 rows at K=8 x GQA 4): 128-token tiles halve the loop's softmax and rescale
+    steps per byte, 1.36x the 64-token tile on the H200 (1.06-1.09x a decode step,
+    bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages. Four warps and four stages
+    were fastest on the H200 at B64 x 8 heads (bn64, one split); an fp8 decode over pages
+    shorter than the tile reads V a page at a time, with two warps and two stages (page 16:
+    1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48)."""
+    if block_n is None:
+        wide = quant or (nx > 0 and itemsize <= 2)
+        block_n = (128 if wide else 64) if block_m <= 64 else 32
+    v_pages = quant and page < block_n
+    narrow = v_pages and nx == 0
+    return DecodeTiles(block_n=block_n, num_warps=2 if narrow else 4,
+                       num_stages=(2 if narrow else 4) if cuda else 1, v_pages=v_pages)
+
+
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
@@ -260,21 +290,11 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(nq * g_pad))
     block_d = max(16, triton.next_power_of_2(d))
     nx = 0 if k_extra is None else k_extra.shape[1]
-    if block_n is None:
-        # fp8: half the bytes per tile, so twice the tokens (1.3x on the H200). A 16-bit
-        # DSpark block (32 rows at K=8 x GQA 4): 128-token tiles halve the loop's softmax
-        # and rescale steps per byte, 1.36x the 64-token tile on the H200 (1.06-1.09x a
-        # decode step, bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages.
-        wide = quant or (nx > 0 and q.element_size() <= 2)
-        block_n = (128 if wide else 64) if block_m <= 64 else 32
-    # fp8 decode over pages shorter than the tile: two warps, two stages (H200, page 16:
-    # 1.02-1.07x four warps and four stages at 8K-32K tokens, bench/KERNEL_NOTES.md row 48).
-    narrow = quant and page < block_n and nx == 0
-    if num_warps is None:
-        num_warps = 2 if narrow else 4
-    if num_stages is None:
-        # fastest on the H200 at B64 x 8 heads (bn64 w4 st4 splits1)
-        num_stages = (2 if narrow else 4) if q.is_cuda else 1
+    tiles = decode_tiles(quant=quant, page=page, block_m=block_m, nx=nx, itemsize=q.element_size(),
+                         cuda=q.is_cuda, block_n=block_n)
+    block_n = tiles.block_n
+    num_warps = tiles.num_warps if num_warps is None else num_warps
+    num_stages = tiles.num_stages if num_stages is None else num_stages
     if num_splits is None:
         num_splits = default_splits(bsz, h_kv, q.device, max_context)
     if nx:
@@ -313,7 +333,7 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
-        V_PAGES=quant and page < block_n and v_pages is not False,
+        V_PAGES=tiles.v_pages and v_pages is not False,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -44,10 +44,6 @@ BF = "*bf16"
 # kernels that read or write them: a case that does not say compiles the unquantized path.
 SCALE_PTRS = {"ks_ptr": "*u8", "vs_ptr": "*u8"}
 QUANT_DEFAULTS = {"QUANT": False, "HEADROOM": SK.HEADROOM_BITS, "SW": 16, "F8_F16": False, "V_PAGES": False}
-# The fp8 decode's async copies (cp.async) at num_stages 4: K and V tiles both pipelined.
-# Fewer means a tile went back to plain loads (V as byte loads ran 2.5-3x slower on the
-# H200, bench/KERNEL_NOTES.md).
-FP8_DECODE_COPIES = 6
 # Byte-wide global loads: a few of scales (4 at sm_90); triton 3.6 once read V a byte at a
 # time (128 more, bench/KERNEL_NOTES.md row 46).
 FP8_DECODE_BYTE_LOADS = 8
@@ -154,13 +150,21 @@ def cases():
            dict(D=128, PAGE=16, PPB=8, BLOCK_T=16, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
-    for page, ppb, v_pages in ((16, 8, True), (16, 8, False), (128, 1, False)):
-        yield (f"decode fp8 page{page}{' v_pages' if v_pages else ''}", DA._paged_split_kernel,
-               {**base, "PAGE": page, "PPB": ppb, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_X": 16,
-                "SPLITS": 1, "QUANT": True, "F8_F16": True, "SW": min(page, 128), "V_PAGES": v_pages},
-               {**dec, "kc_ptr": f8, "vc_ptr": f8},
-               dict(num_warps=2, num_stages=2) if v_pages else dict(num_warps=4, num_stages=4),
-               FP8_DECODE_COPIES if not v_pages else 2)
+    # The fp8 decode at the tiles its launcher picks (page 16: V read a page at a time), and
+    # page 16 read as one [tokens, D] tile (``v_pages=False``). K and V must each be
+    # pipelined ``num_stages - 1`` tiles ahead through async copies: fewer means a tile went
+    # back to plain loads (V read a byte at a time ran 2.5-3x slower on the H200,
+    # bench/KERNEL_NOTES.md row 46).
+    for page, ppb, v_pages in ((16, 8, None), (16, 8, False), (128, 1, None)):
+        t = DA.decode_tiles(quant=True, page=page, block_m=16, nx=0, itemsize=2, cuda=True)
+        if v_pages is False:
+            t = DA.DecodeTiles(block_n=t.block_n, num_warps=4, num_stages=4, v_pages=False)
+        yield (f"decode fp8 page{page}{' v_pages' if t.v_pages else ''}", DA._paged_split_kernel,
+               {**base, "PAGE": page, "PPB": ppb, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": t.block_n,
+                "BLOCK_X": 16, "SPLITS": 1, "QUANT": True, "F8_F16": True, "SW": min(page, t.block_n),
+                "V_PAGES": t.v_pages},
+               {**dec, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=t.num_warps, num_stages=t.num_stages),
+               2 * (t.num_stages - 1))
     yield ("prefill fp8", PA._prefill_kernel, {**base, "BLOCK_M": 128, "BLOCK_N": 64, "QUANT": True},
            {**pre, "kc_ptr": f8, "vc_ptr": f8}, dict(num_warps=8, num_stages=2), False)
 
@@ -193,10 +197,10 @@ def main() -> int:
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B (bound {bound}), "
               f"bm{consts['BLOCK_M']} bn{consts['BLOCK_N']} {opts}")
-    for name, fn, consts, ptrs, opts, want_async in cases():
+    for name, fn, consts, ptrs, opts, min_async in cases():  # min_async: True is one
         k = compile_sm90(fn, consts, ptrs, ("scale_log2",), **opts)
         n_async = k.asm["ttgir"].count("copy_global_to_local")  # cp.async or TMA
-        ok = k.metadata.shared <= SMEM_LIMIT and n_async >= int(want_async)
+        ok = k.metadata.shared <= SMEM_LIMIT and n_async >= int(min_async)
         if name.startswith("decode fp8"):  # K and V through cp.async, not byte loads
             n_loads = len(re.findall(r"ld\.global[\w.]*\.[bu]8\b", k.asm["ptx"]))
             ok = ok and n_loads <= FP8_DECODE_BYTE_LOADS

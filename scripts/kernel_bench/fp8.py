@@ -151,11 +151,11 @@ def bench_fp8(run) -> None:
                           nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms16,
                           note="vs_baseline: bf16-KV decode of the same shape")
             run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
-            if page < 128:  # V read as [pages, D, page] per tile (a page's rows whole per warp)
-                fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_pages=True)
-                run.add("decode triton fp8 kv vpages", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+            if page < 128:  # the default reads V a page at a time here: against one [tokens, D] tile
+                fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_pages=False)
+                run.add("decode triton fp8 kv tile V", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
                         nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
-                        note="vs_baseline: V read as [tile tokens, D]")
+                        note="vs_baseline: the default (V read a page at a time)")
             if not run.tiny:  # half the bytes of a bf16 step: does a second wave of programs pay?
                 for splits in (2, 4):
                     fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, num_splits=splits)
