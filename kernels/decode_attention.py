@@ -270,7 +270,7 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, v_pages=None,
+    num_warps=None, num_stages=None, out=None, v_pages=True,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
@@ -333,7 +333,7 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
-        V_PAGES=tiles.v_pages and v_pages is not False,
+        V_PAGES=tiles.v_pages and v_pages,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

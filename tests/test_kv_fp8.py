@@ -225,7 +225,7 @@ def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(spl
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("splits,v_pages", [(1, None), (2, None), (1, False)])
+@pytest.mark.parametrize("splits,v_pages", [(1, True), (2, True), (1, False)])
 def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits, v_pages):
     """The decode reads each tile's scales a tile ahead and their blocks two ahead:
     contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a context
