@@ -75,8 +75,8 @@ def test_pieces_stream_the_same_bytes_as_one_pack(graph_of):
     assert [p.offset for p in pieces] == [sum(q.nbytes for q in pieces[:i]) for i in range(len(pieces))]
     streamed = torch.empty_like(whole)
     for p in pieces:
-        packing.pack_piece(cut, p, src[p.src_unit], SRC, streamed[p.offset:p.offset + p.nbytes],
-                           dst_block_bytes=dst_bytes[p.dst_unit])
+        packing.copy_piece(cut, p, src[p.src_unit], SRC, streamed[p.offset:p.offset + p.nbytes],
+                           other_block_bytes=dst_bytes[p.dst_unit], reverse=False)
     assert torch.equal(whole, streamed)
     with pytest.raises(ValueError, match="exceed"):
         packing.pieces(cut, len(SRC), max_bytes=per_block - 1)

@@ -124,13 +124,11 @@ class DecodeBackend(EngineFacts):
     def _unpair_all(self) -> None:
         """Best effort: a producer that misses this forgets this instance when a transfer
         to it fails."""
-        ask = msgspec.json.encode(ForgetConsumer(consumer=self.consumer_id))
         for producer in list(self.pairings):
             try:
-                r = self._client.post(producer + UNPAIR_PATH, content=ask, timeout=UNPAIR_TIMEOUT_S,
-                                      headers={"content-type": "application/json"})
-                r.raise_for_status()
-            except httpx.HTTPError as err:
+                self._post(producer + UNPAIR_PATH, ForgetConsumer(consumer=self.consumer_id),
+                           timeout=UNPAIR_TIMEOUT_S)
+            except (httpx.HTTPError, RuntimeError) as err:
                 print(f"pdflow: {producer} was not told this decode instance stops: {err}", file=sys.stderr)
 
     # -- the exchange ------------------------------------------------------------------
@@ -157,11 +155,11 @@ class DecodeBackend(EngineFacts):
     def _pair(self, producer: str) -> None:
         with self._pair_lock:
             if producer not in self.pairings:
-                self._post(producer + PAIR_PATH, self.pair_request, None)
+                self._post(producer + PAIR_PATH, self.pair_request)
                 self.pairings[producer] = 1
 
-    def _post(self, url: str, message, kind):
-        r = self._client.post(url, content=msgspec.json.encode(message),
+    def _post(self, url: str, message, kind=None, timeout=httpx.USE_CLIENT_DEFAULT):
+        r = self._client.post(url, content=msgspec.json.encode(message), timeout=timeout,
                               headers={"content-type": "application/json"})
         if r.status_code != 200:
             raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:500]}")

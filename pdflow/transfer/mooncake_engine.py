@@ -45,13 +45,6 @@ INIT_ATTEMPTS = 3
 REGISTRATION_LIMIT = (1 << 31) - 1
 
 
-def chunk_bytes(align: int, limit: int = REGISTRATION_LIMIT) -> int:
-    """The largest multiple of ``align`` (a unit's block bytes) that stays within ``limit``."""
-    if not 0 < align <= limit:
-        raise ValueError(f"one block of {align} bytes does not fit one registration of <= {limit} bytes")
-    return (limit // align) * align
-
-
 @dataclass(kw_only=True, slots=True)
 class TransferStats:
     """Counters of engine calls (batches written, and those the engine failed): what the
@@ -102,7 +95,10 @@ class MooncakeTransport:
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         if addr in self._registered:
             raise ValueError(f"memory at {addr:#x} is registered already")
-        step = chunk_bytes(align, self.registration_limit)
+        if not 0 < align <= self.registration_limit:
+            raise ValueError(f"one block of {align} bytes does not fit one registration of "
+                             f"<= {self.registration_limit} bytes")
+        step = self.registration_limit // align * align  # the most whole ``align``s under the limit
         chunks: list[int] = []
         for start in range(addr, addr + nbytes, step):
             rc = self.engine.register_memory(start, min(step, addr + nbytes - start))
@@ -123,9 +119,8 @@ class MooncakeTransport:
             raise ValueError(f"{unit.name}: {cache.dtype} elements are not {unit.itemsize} bytes")
         # register() refuses a non-contiguous tensor, so block b starts b * bytes_per_block in.
         base = self.register(cache, align=unit.bytes_per_block)
-        per_chunk = chunk_bytes(unit.bytes_per_block, self.registration_limit) // unit.bytes_per_block
         return UnitRegion(base=base, block_bytes=unit.bytes_per_block, num_blocks=cache.shape[0],
-                          chunk_blocks=min(per_chunk, cache.shape[0]))
+                          chunk_blocks=min(self.registration_limit // unit.bytes_per_block, cache.shape[0]))
 
     def unregister(self, addr: int) -> None:
         """Drop a registration made by ``register`` (every chunk of it)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pdflow.graph import CutPlan
 from pdflow.transfer.errors import TransferError
 from pdflow.transfer.p2p_messages import CudaIpcHandle
-from pdflow.transfer.packing import Piece, pack_piece, packed_nbytes, pieces, unpack_piece
+from pdflow.transfer.packing import Piece, copy_piece, packed_nbytes, pieces
 
 # Per-phase times of each request, on stderr: "1" synchronizes the device at every phase
 # (each phase's own cost, the pipeline serialised); "timeline" only stamps the host clock
@@ -73,7 +73,10 @@ def choose_mover(producer: str, consumer: str, backend: str = "nccl", peer_write
     if "cpu" in (producer, consumer):
         raise TransferError(f"transfer=nccl moves between caches of one kind; producer on {producer}, "
                             f"consumer on {consumer}")
-    if peer_writes and (producer == consumer or peer_access(producer, consumer)):
+    if peer_writes and producer != consumer:  # the producer's GPU must write the consumer's (both seen here, peers)
+        mine, theirs = local_device(producer), local_device(consumer)
+        peer_writes = mine is not None and theirs is not None and torch.cuda.can_device_access_peer(mine, theirs)
+    if peer_writes:
         return "peer"
     return "ipc" if producer == consumer else "nccl"
 
@@ -85,12 +88,6 @@ def local_device(identity: str) -> torch.device | None:
             if device_identity(torch.device("cuda", i)) == identity:
                 return torch.device("cuda", i)
     return None
-
-
-def peer_access(producer: str, consumer: str) -> bool:
-    """Whether the producer's GPU can write the consumer's memory (both seen here, peers)."""
-    mine, theirs = local_device(producer), local_device(consumer)
-    return mine is not None and theirs is not None and torch.cuda.can_device_access_peer(mine, theirs)
 
 
 def chunks(plan: CutPlan, num_blocks: int, max_bytes: int, ramp: int = 0) -> list[list[Piece]]:
@@ -272,8 +269,6 @@ def copy_chunk(chunk: list[Piece], data: torch.Tensor, blocks: Sequence[int], *,
                   reverse=reverse, programs=programs)
         return
     for p in chunk:
-        view = data[p.offset - base:p.offset - base + p.nbytes]
-        if reverse:
-            unpack_piece(plan, p, view, blocks, caches[p.dst_unit], src_block_bytes=other_block_bytes[p.src_unit])
-        else:
-            pack_piece(plan, p, caches[p.src_unit], blocks, view, dst_block_bytes=other_block_bytes[p.dst_unit])
+        mine, other = (p.dst_unit, p.src_unit) if reverse else (p.src_unit, p.dst_unit)
+        copy_piece(plan, p, caches[mine], blocks, data[p.offset - base:p.offset - base + p.nbytes],
+                   other_block_bytes=other_block_bytes[other], reverse=reverse)

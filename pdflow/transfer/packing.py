@@ -4,7 +4,7 @@ Why: over TCP each descriptor costs ~32 us whatever its length, so a head cut se
 runs crawls. The producer gathers the runs into one buffer, moves it in large writes,
 and the consumer scatters it. The packed order is the direct path's descriptor order
 (group, unit pair, block, run): every path leaves byte-identical caches. Pure torch on
-byte views (the pairs' ``copy_chunk`` runs ``pack_piece``/``unpack_piece`` on CPU).
+byte views (the pairs' ``copy_chunk`` runs ``copy_piece`` on CPU).
 """
 
 from __future__ import annotations
@@ -86,21 +86,15 @@ def _index(rows: torch.Tensor, blocks: Sequence[int], per_block: int, device) ->
     return (blk[:, None] * per_block + rows[None, :]).reshape(-1).to(device)
 
 
-def pack_piece(plan: CutPlan, piece: Piece, cache: torch.Tensor, blocks: Sequence[int], out: torch.Tensor,
-               *, dst_block_bytes: int) -> None:
-    """Gather ``piece`` from the producer's ``cache`` into ``out`` (``piece.nbytes`` uint8)."""
+def copy_piece(plan: CutPlan, piece: Piece, cache: torch.Tensor, blocks: Sequence[int], packed: torch.Tensor,
+               *, other_block_bytes: int, reverse: bool) -> None:
+    """Gather ``piece`` from the producer's ``cache`` into ``packed`` (``piece.nbytes``
+    uint8), or (``reverse``) scatter it from there into the consumer's ``cache``."""
     group = plan.groups[piece.group]
-    grain = _grain(group, block_bytes(cache), dst_block_bytes)
-    rows = _rows(group, "src", grain)
+    grain = _grain(group, block_bytes(cache), other_block_bytes)
+    rows = _rows(group, "dst" if reverse else "src", grain)
     idx = _index(rows, blocks[piece.start:piece.stop], block_bytes(cache) // grain, cache.device)
-    torch.index_select(byte_rows(cache, grain), 0, idx, out=byte_rows(out, grain))
-
-
-def unpack_piece(plan: CutPlan, piece: Piece, packed: torch.Tensor, blocks: Sequence[int], cache: torch.Tensor,
-                 *, src_block_bytes: int) -> None:
-    """Scatter ``piece`` (``piece.nbytes`` uint8) into the consumer's ``cache``."""
-    group = plan.groups[piece.group]
-    grain = _grain(group, src_block_bytes, block_bytes(cache))
-    rows = _rows(group, "dst", grain)
-    idx = _index(rows, blocks[piece.start:piece.stop], block_bytes(cache) // grain, cache.device)
-    byte_rows(cache, grain).index_copy_(0, idx, byte_rows(packed, grain))
+    if reverse:
+        byte_rows(cache, grain).index_copy_(0, idx, byte_rows(packed, grain))
+    else:
+        torch.index_select(byte_rows(cache, grain), 0, idx, out=byte_rows(packed, grain))

@@ -128,7 +128,8 @@ class RunTable:
             offs.append(torch.add(g.prefix + start, pairs, alpha=g.per_block).view(-1))
             words.append(g.words.expand(g.units, k, g.runs).reshape(-1))
             start += g.units * k * g.per_block
-        offs, words = _cat(offs, self.device), _cat(words, self.device)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)  # a plan without groups
+        offs, words = torch.cat([empty, *offs]), torch.cat([empty, *words])
         rows = torch.stack([torch.zeros_like(offs), offs, words], 1)
         host = torch.zeros(k, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         return rows, host, torch.zeros(k, dtype=torch.int64, device=self.device)
@@ -153,12 +154,6 @@ class _Group:
     per_block: int
     units: int
     runs: int
-
-
-def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
 def direct_rows(src: RunTable, src_blocks: Sequence[int], dst: RunTable, dst_blocks: Sequence[int]) -> torch.Tensor:

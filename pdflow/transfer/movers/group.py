@@ -7,7 +7,6 @@ socket). A stalled or dead peer is the pair's armed ``GroupDeadline``'s."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import uuid
@@ -110,7 +109,7 @@ class GroupSender(Sender):
         failed), sent in stream order after its last scatter: no host step and no socket on
         the path (a failure's text follows on the socket). On a stream of its own: this
         rank's stream may already hold its next step's work."""
-        with torch.cuda.stream(self.verdict_stream) if self.verdict_stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(self.verdict_stream):  # no stream (CPU): a no-op
             self.group.recv([self.verdict], 0, 0).wait()
             if self.verdict_stream is not None:
                 self.verdict_host.copy_(self.verdict, non_blocking=True)

@@ -64,19 +64,13 @@ class PeerSender(Sender):
     """The consumer's caches, mapped here; written by one kernel per request."""
 
     direct = True
-
-    def __init__(self, peer):
-        super().__init__(peer)
-        self.dst_caches: dict[str, torch.Tensor] = {}
-        self._mapped: dict[tuple, torch.Tensor] = {}
-        self.dst_table: RunTable | None = None
-        self.dst_pool = 0
+    dst_table: RunTable | None = None
 
     def set_up(self, ready: P2PReady) -> None:
         peer = self.peer
         self.buffer_bytes = ready.buffer_bytes
         enable_peer_access(peer.device, local_device(peer.consumer_device))
-        self._mapped = {}
+        self._mapped: dict[tuple, torch.Tensor] = {}
         # Opened in this GPU's context (CUDA IPC then maps the memory for this device's
         # kernels, over NVLink when it lives on another GPU).
         self.dst_caches = (self.taken(ready.in_process) if ready.in_process else
