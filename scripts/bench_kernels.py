@@ -156,7 +156,7 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
              "| check | rel err | tol | ok |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
               for c in run.checks]
-    cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "TFLOP/s", "vs_baseline", "note"]
+    cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "vs_same_copy", "TFLOP/s", "vs_baseline", "note"]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -102,6 +102,26 @@ def bench_copy(run) -> None:
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
 
+def same_traffic_copy_ms(run, nbytes: int) -> float:
+    """A device copy moving ``nbytes`` in all (half read, half written), timed once per size:
+    a read stream of ``nbytes`` against it pays the same launch, ramp and tail (the 1 GiB
+    copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB)."""
+    cache = run.__dict__.setdefault("same_copy_ms", {})
+    if nbytes not in cache:
+        src = torch.randn(nbytes // 4, device=run.dev).to(DT)
+        dst = torch.empty_like(src)
+        cache[nbytes] = run.time_ms(lambda: dst.copy_(src))
+        run.add("copy same traffic", f"{nbytes / 2**20:.0f} MiB moved", cache[nbytes], nbytes=nbytes)
+    return cache[nbytes]
+
+
+def with_same_copy(run, row, nbytes: int):
+    """``row`` (a read of ``nbytes``) gains vs_same_copy: the same-traffic copy's time / its."""
+    row["vs_same_copy"] = round(same_traffic_copy_ms(run, nbytes) / row["ms"], 3)
+    print(f"    vs_same_copy={row['vs_same_copy']} ({row['kernel']} {row['shape']})", flush=True)
+    return row
+
+
 def _gather_sdpa(q, kc, vc, bt, ctx, hkv, d):
     """torch baseline: gather pages into contiguous [B, H_kv, L, D], then SDPA."""
     b = q.shape[0]
@@ -140,8 +160,8 @@ def bench_decode(run) -> None:
                 run.decode_ms = {**getattr(run, "decode_ms", {}), (ctx, page): ms}
                 note = f"vs_baseline: gather+sdpa; sdpa contiguous x{base / ms:.2f}" if base \
                     else ""
-                run.add("decode triton", f"B{b} ctx{ctx} page{page}", ms, nbytes=nbytes,
-                        baseline=g, note=note)
+                with_same_copy(run, run.add("decode triton", f"B{b} ctx{ctx} page{page}", ms,
+                                            nbytes=nbytes, baseline=g, note=note), nbytes)
 
 
 def bench_block(run) -> None:

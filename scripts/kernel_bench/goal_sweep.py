@@ -23,7 +23,8 @@ from .sweep import _best, _variant
 BLOCK_TILES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 BLOCK_SPLITS = [1, 2]
 DECODE_2K_TILES = [(64, 4, 4), (64, 4, 5), (64, 4, 6), (64, 8, 4), (128, 4, 3), (128, 8, 3),
-                   (128, 8, 4), (32, 4, 6), (32, 2, 6)]
+                   (128, 8, 4), (32, 4, 6), (32, 2, 6), (64, 2, 2), (64, 2, 3), (64, 2, 4),
+                   (128, 2, 2), (128, 2, 3), (128, 4, 2)]
 DECODE_2K_SPLITS = [1, 2]
 # num_warps of the KV write (one token a program: 2-8 a program gained nothing on the H200)
 STORE_WARPS = (1, 2, 4, 8)
