@@ -249,7 +249,7 @@ class DecodeTiles:
 
 
 def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int, cuda: bool,
-                 block_n: int | None = None) -> DecodeTiles:
+                 block_n: int | None = None, v_pages: bool = True) -> DecodeTiles:
     """The default tile, warps and stages of a launch (``block_n`` given: the rest for it).
     fp8: half the bytes per tile, so twice the tokens (1.3x on the H200). A 16-bit DSpark
     block (32 rows at K=8 x GQA 4): 128-token tiles halve the loop's softmax and rescale
@@ -261,7 +261,7 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
     if block_n is None:
         wide = quant or (nx > 0 and itemsize <= 2)
         block_n = (128 if wide else 64) if block_m <= 64 else 32
-    v_pages = quant and page < block_n
+    v_pages = v_pages and quant and page < block_n  # False: V as one [tokens, D] tile (A/B)
     narrow = v_pages and nx == 0
     return DecodeTiles(block_n=block_n, num_warps=2 if narrow else 4,
                        num_stages=(2 if narrow else 4) if cuda else 1, v_pages=v_pages)
@@ -291,7 +291,7 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(d))
     nx = 0 if k_extra is None else k_extra.shape[1]
     tiles = decode_tiles(quant=quant, page=page, block_m=block_m, nx=nx, itemsize=q.element_size(),
-                         cuda=q.is_cuda, block_n=block_n)
+                         cuda=q.is_cuda, block_n=block_n, v_pages=v_pages)
     block_n = tiles.block_n
     num_warps = tiles.num_warps if num_warps is None else num_warps
     num_stages = tiles.num_stages if num_stages is None else num_stages
@@ -333,7 +333,7 @@ def paged_attention(
         BLOCK_X=max(16, triton.next_power_of_2(max(nx, 1))), SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
-        V_PAGES=tiles.v_pages and v_pages,
+        V_PAGES=tiles.v_pages,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

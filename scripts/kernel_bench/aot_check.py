@@ -155,10 +155,8 @@ def cases():
     # pipelined ``num_stages - 1`` tiles ahead through async copies: fewer means a tile went
     # back to plain loads (V read a byte at a time ran 2.5-3x slower on the H200,
     # bench/KERNEL_NOTES.md row 46).
-    for page, ppb, v_pages in ((16, 8, None), (16, 8, False), (128, 1, None)):
-        t = DA.decode_tiles(quant=True, page=page, block_m=16, nx=0, itemsize=2, cuda=True)
-        if v_pages is False:
-            t = DA.DecodeTiles(block_n=t.block_n, num_warps=4, num_stages=4, v_pages=False)
+    for page, ppb, v_pages in ((16, 8, True), (16, 8, False), (128, 1, True)):
+        t = DA.decode_tiles(quant=True, page=page, block_m=16, nx=0, itemsize=2, cuda=True, v_pages=v_pages)
         yield (f"decode fp8 page{page}{' v_pages' if t.v_pages else ''}", DA._paged_split_kernel,
                {**base, "PAGE": page, "PPB": ppb, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": t.block_n,
                 "BLOCK_X": 16, "SPLITS": 1, "QUANT": True, "F8_F16": True, "SW": min(page, t.block_n),
