@@ -58,6 +58,7 @@ class Run:
         self.dev = "cpu" if args.dry_run else "cuda"
         self.tiny = args.dry_run
         self.copy_tbs = None
+        self.same_copy_ms = {}  # total bytes moved -> ms (benchmarks.same_traffic_copy_ms)
         self.info = None
 
     def checkpoint(self) -> None:
