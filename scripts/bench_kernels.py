@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--goals", action="store_true",
                     help="decode, block attention and the KV write, then sweeps of their tiles "
                          "(kernel_bench/goal_sweep.py), skipping prefill")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
+                    help="head_dim of every case (32 query / 8 KV heads; the dry run halves it)")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting new timings after this many seconds")
     return ap.parse_args(argv)
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
     from kernel_bench import benchmarks as cases
     from kernel_bench import fp8
     from kernel_bench.goal_sweep import sweep_goals
+    from kernel_bench.shapes import heads
     from kernel_bench.sweep import sweep
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -116,6 +119,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if run.dev == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__, "triton": triton.__version__,
         "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "heads": "q {}, kv {}, d {}".format(*heads(run)),
     }
     print(f"# {info}", flush=True)
     run.info = {**info, "elapsed_s": None}
@@ -153,7 +157,7 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     lines = [f"# kernel bench: {info['device']}", "",
              f"torch {info['torch']}, triton {info['triton']}, {info['elapsed_s']} s, "
-             f"copy {run.copy_tbs} TB/s (read+write)", "",
+             f"copy {run.copy_tbs} TB/s (read+write), heads {info.get('heads')}", "",
              "| check | rel err | tol | ok |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
               for c in run.checks]

@@ -20,15 +20,18 @@ def test_help_works():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU stand-in")
-def test_dry_run_checks_and_times(tmp_path):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_dry_run_checks_and_times(tmp_path, head_dim):
     # Block hydra/omegaconf as the GPU image lacks them: the script must not need them.
     code = ("import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None; "
-            f"sys.argv = ['bench', '--dry-run', '--no-sweep', '--budget-s', '1e9', '--out', {str(tmp_path)!r}]; "
+            f"sys.argv = ['bench', '--dry-run', '--no-sweep', '--budget-s', '1e9', '--head-dim', '{head_dim}', "
+            f"'--out', {str(tmp_path)!r}]; "
             f"import runpy; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
+    assert res["info"]["heads"] == f"q 4, kv 2, d {head_dim // 2}"  # every case at the asked head_dim
     assert res["checks"] and all(c["ok"] for c in res["checks"])
     kernels = {r["kernel"] for r in res["rows"]}
     assert {"decode triton", "prefill triton", "store_kv triton", "copy d2d"} <= kernels

@@ -17,8 +17,10 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 def heads(run):
-    """(query heads, KV heads, head_dim) of the run's cases."""
-    return (4, 2, 64) if run.tiny else (H_Q, H_KV, D)
+    """(query heads, KV heads, head_dim) of the run's cases (``--head-dim``; the dry run's
+    tiny cases at half of it)."""
+    d = run.args.head_dim
+    return (4, 2, d // 2) if run.tiny else (H_Q, H_KV, d)
 
 
 def prefix_case(run, page, ppb):
