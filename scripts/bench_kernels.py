@@ -61,6 +61,7 @@ class Run:
         self.tiny = args.dry_run
         self.copy_tbs = None
         self.same_copy_ms = {}  # total bytes moved -> ms (benchmarks.same_traffic_copy_ms)
+        self.same_copy_graph_ms = {}  # the same, an SM copy in a CUDA graph (graph_vs_copy)
         self.info = None
 
     def checkpoint(self) -> None:
@@ -161,7 +162,8 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
              "| check | rel err | tol | ok |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
               for c in run.checks]
-    cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "vs_same_copy", "TFLOP/s", "vs_baseline", "note"]
+    cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "vs_same_copy", "graph_vs_copy", "TFLOP/s", "vs_baseline",
+            "note"]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
