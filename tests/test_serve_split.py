@@ -200,6 +200,39 @@ def test_a_front_that_cannot_start_fails_the_server_instead_of_hanging():
     assert not [p for p in children if Path(f"/proc/{p}").exists() and _cmdline(p)], "children left running"
 
 
+
+def test_a_front_that_starts_slowly_is_waited_for_not_restarted(monkeypatch):
+    """A front is failed for exiting before it serves, never for taking its time: one that
+    sleeps before its imports (``slow_front``) serves as the first and only process of its
+    slot, with no failed start counted. A start window shorter than its sleep would kill
+    and restart it (a new pid) or fail the server."""
+    from slow_front import SLOW_START_S
+
+    from pdflow.serve.front_process import FrontOptions
+    from pdflow.serve.supervisor import Supervisor
+
+    class SlowFronts(Supervisor):
+        FRONT_TARGET = "slow_front:front_main"
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    spec = compose([*OVERRIDES, "serve.api_servers=1"])
+    supervisor = SlowFronts(spec, host="127.0.0.1", port=0, options=FrontOptions(model_name="tiny", api_key=None,
+                                                                                 request_timeout_s=None, max_body_bytes=1 << 20))
+    try:
+        supervisor.start()
+        first = supervisor.fronts[0].pid
+        started = time.monotonic()
+        supervisor.wait_ready(timeout=600)
+        assert time.monotonic() - started >= SLOW_START_S  # the slow front is what answered
+        reply = httpx.post(f"{supervisor.url}/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        assert supervisor.fronts[0].pid == first and supervisor.fronts[0].is_alive()
+        assert supervisor._failed_starts == [0] and supervisor.failure is None
+    finally:
+        supervisor.stop()
+
 def _url_of(proc) -> str:
     deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline:
