@@ -6,7 +6,10 @@ references), then a device-to-device copy (the HBM floor), paged decode (vs copy
 vs torch gather+SDPA and contiguous SDPA), DSpark block attention, causal prefill (vs
 SDPA causal on unpaged data) and the KV write, then a bounded sweep of block shapes,
 warps, stages and split counts. Prints a short table last and writes results.json and
-results.md under --out. Imports only torch and triton (no hydra): the harness is
+results.md under --out. Timings are single launches (``do_bench``); decode rows also
+carry ``graph_vs_copy`` and Gluon prefill rows ``graph_vs_sdpa``, the same ratio with both
+sides replayed in CUDA graphs, which keeps the launcher's host time out of a ~0.1 ms
+kernel's window (bench/RESULTS.md, "Head dim 64, first run"). Imports only torch and triton (no hydra): the harness is
 scripts/kernel_bench/ (not installed), which finds the kernels as ``pdflow.kernels``
 installed or, without an install, in this checkout.
 
@@ -16,6 +19,7 @@ installed or, without an install, in this checkout.
     python scripts/bench_kernels.py --dry-run --out /tmp/k            # CPU, tiny shapes
     python scripts/bench_kernels.py --fp8-kv --out bench/results/h200-fp8   # fp8 KV, ~1-2 min
     python scripts/bench_kernels.py --goals --out DIR   # block/decode-2K/KV-write sweeps, ~4 min
+    python scripts/bench_kernels.py --no-sweep --head-dim 64 --out DIR  # every case at d64
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
     lines += [f"| {c['name']} | {c['err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
               for c in run.checks]
     cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "vs_same_copy", "graph_vs_copy", "TFLOP/s", "vs_baseline",
-            "note"]
+            "graph_vs_sdpa", "note"]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
