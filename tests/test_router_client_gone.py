@@ -9,6 +9,7 @@ import json
 import queue
 import socket
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -40,3 +41,24 @@ def test_a_client_gone_before_the_answer_closes_the_upstream_request():
                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             assert seen.get(timeout=30) == "started"
         assert seen.get(timeout=30) == "http.disconnect"  # queue.Empty here: the upstream stayed open
+
+
+def test_a_backend_that_outlasts_the_request_timeout_ends_with_503_and_the_upstream_closed():
+    """``serve.request_timeout_s`` reaches the router: a backend that holds a request (it
+    does not enforce the timeout itself) gets twice that, then the client has a 503
+    ``request_timeout`` and the backend sees its request's connection end. Without it the
+    router would wait ``UPSTREAM_STALL_S`` (600 s)."""
+    from pdflow.serve.router import UPSTREAM_STALL_S, upstream_timeout_s
+
+    assert upstream_timeout_s(None) == UPSTREAM_STALL_S and upstream_timeout_s(0.5) == 1.0
+    seen: queue.Queue = queue.Queue()
+    with (ServerThread(holding_backend(seen)) as backend,
+          ServerThread(create_router([backend.url], request_timeout_s=0.5)) as router):
+        answer = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                            timeout=60)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "request_timeout"
+        assert seen.get(timeout=30) == "started"
+        assert seen.get(timeout=30) == "http.disconnect"
+        metrics = httpx.get(router.url + "/metrics", timeout=30).text
+        assert f'pdflow_router_requests_total{{backend="{backend.url}",outcome="timed_out"}} 1.0' in metrics

@@ -76,11 +76,13 @@ def serve_spec(spec: RunSpec, *, port: int | None = None) -> Iterator[Served]:
                             timeout=spec.serve.ready_timeout_s)
             app = create_router(list(spec.serve.decode), api_key=key, prefill=list(spec.serve.prefill),
                                 max_body_bytes=spec.serve.max_body_bytes, router=spec.router,
-                                block_tokens=spec.decode.block_size)
+                                block_tokens=spec.decode.block_size,
+                                request_timeout_s=spec.serve.request_timeout_s)
         elif spec.serve.backends:
             from pdflow.serve.router import create_router
 
-            app = create_router(list(spec.serve.backends), api_key=key, max_body_bytes=spec.serve.max_body_bytes)
+            app = create_router(list(spec.serve.backends), api_key=key, max_body_bytes=spec.serve.max_body_bytes,
+                                request_timeout_s=spec.serve.request_timeout_s)
         else:
             yield _split_server(spec, stack, port, key, name)
             return

@@ -7,8 +7,10 @@ that one prefill it (``pd_decode``). A backend's own answer, 4xx included, passe
 through; an unreachable backend is skipped for the next (none: 503); a failed one (5xx,
 a cut stream) gives 502, except its own 503 (overloaded, with ``Retry-After``; or
 unavailable: its engine down, stopping or lost, a request timed out), which passes through
-with its body, so the client reads the backend's reason rather than "bad gateway". Every
-error has the OpenAI shape.
+with its body, so the client reads the backend's reason rather than "bad gateway". A
+backend that stalls (no answer, or no next chunk) past ``upstream_timeout_s`` ends the
+request with 503 ``request_timeout`` (mid-stream: an error event) and closes the upstream,
+which aborts it there. Every error has the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -37,15 +39,25 @@ __all__ = ["create_router"]
 
 FORWARDED_HEADERS = ("content-type", "accept")
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# With no request timeout set, a backend silent this long is taken for stuck: never a hang.
+UPSTREAM_STALL_S = 600.0
+
+
+def upstream_timeout_s(request_timeout_s: float | None) -> float:
+    """How long the router waits for a backend's answer or its next chunk: twice
+    ``serve.request_timeout_s`` when set (the backend's own 503 comes first; this ends the
+    request where a backend does not enforce it), else ``UPSTREAM_STALL_S``."""
+    return UPSTREAM_STALL_S if request_timeout_s is None else 2 * request_timeout_s
 
 
 def create_router(backends: list[str], *, api_key: str | None = None,
-                  backend_api_key: str | None = None, timeout_s: float = 600.0,
+                  backend_api_key: str | None = None, request_timeout_s: float | None = None,
                   prefill: list[str] | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                   router: RouterSpec | None = None, block_tokens: int = 16) -> FastAPI:
     """``backend_api_key`` (default: ``api_key``) is sent to the backends; ``block_tokens``:
-    the instances' KV block size, which the prefix policy cuts prompts by."""
+    the instances' KV block size, which the prefix policy cuts prompts by;
+    ``request_timeout_s``: ``serve.request_timeout_s`` (``upstream_timeout_s``)."""
     chooser = Chooser(backends, prefill, router or RouterSpec(), block_tokens=block_tokens)
     picker, producers = chooser.decode, chooser.prefill
     registry = CollectorRegistry()
@@ -53,7 +65,8 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                        ["backend", "outcome"], registry=registry)
     registry.register(_LocalPrefills(chooser))
     forward_key = backend_api_key if backend_api_key is not None else api_key
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    stall_s = upstream_timeout_s(request_timeout_s)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(stall_s, connect=5.0))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,6 +112,10 @@ def create_router(backends: list[str], *, api_key: str | None = None,
                 count(backend, "unreachable")
                 unreachable.append(f"{backend} ({type(exc).__name__})")
                 continue
+            except httpx.TimeoutException as exc:
+                count(backend, "timed_out")
+                raise APIError(503, f"backend {backend} did not answer within {stall_s:g} s",
+                               code="request_timeout") from exc
             except httpx.HTTPError as exc:
                 count(backend, "failed")
                 raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
@@ -153,6 +170,11 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         try:
             async for chunk in answer.aiter_raw():
                 yield chunk
+        except httpx.TimeoutException:
+            count(backend, "timed_out")
+            body = error_body(503, f"backend {backend} sent nothing for {stall_s:g} s",
+                              code="request_timeout")
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
         except httpx.HTTPError as exc:
             count(backend, "failed")
             body = error_body(502, f"backend {backend} failed mid-stream: {type(exc).__name__}",

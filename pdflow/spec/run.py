@@ -156,7 +156,8 @@ class ServeSpec:
     ready_timeout_s: float = 300.0
     # Larger request bodies are refused with 413 (instance and router).
     max_body_bytes: int = 8 << 20
-    # A generation still unanswered after this long is aborted (503); None: no limit.
+    # A generation still unanswered after this long is aborted (503); None: no limit. A
+    # router waits twice this for a backend's answer or next chunk (None: 600 s, a stall).
     request_timeout_s: float | None = None
     # Requests waiting for KV blocks, at most; more are refused at once (503, Retry-After).
     max_queued_requests: int = 256
