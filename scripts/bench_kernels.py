@@ -9,9 +9,9 @@ warps, stages and split counts. Prints a short table last and writes results.jso
 results.md under --out. Timings are single launches (``do_bench``); decode rows also
 carry ``graph_vs_copy`` and Gluon prefill rows ``graph_vs_sdpa``, the same ratio with both
 sides replayed in CUDA graphs, which keeps the launcher's host time out of a ~0.1 ms
-kernel's window (bench/RESULTS.md, "Head dim 64, first run"). Imports only torch and triton (no hydra): the harness is
-scripts/kernel_bench/ (not installed), which finds the kernels as ``pdflow.kernels``
-installed or, without an install, in this checkout.
+kernel's window (bench/RESULTS.md, "Head dim 64, first run"). Imports only torch and
+triton (no hydra): the harness is scripts/kernel_bench/ (not installed), which finds the
+kernels as ``pdflow.kernels`` installed or, without an install, in this checkout.
 
     python scripts/bench_kernels.py --out bench/results/h200          # ~3-4 min
     python scripts/bench_kernels.py --check-only --out /tmp/k         # ~1 min smoke
@@ -64,8 +64,7 @@ class Run:
         self.dev = "cpu" if args.dry_run else "cuda"
         self.tiny = args.dry_run
         self.copy_tbs = None
-        self.same_copy_ms = {}  # total bytes moved -> ms (benchmarks.same_traffic_copy_ms)
-        self.same_copy_graph_ms = {}  # the same, an SM copy in a CUDA graph (graph_vs_copy)
+        self.same_copy_ms = {}  # (total bytes moved, in a graph) -> ms (benchmarks.same_traffic_copy_ms)
         self.info = None
 
     def checkpoint(self) -> None:

@@ -200,7 +200,6 @@ def test_a_front_that_cannot_start_fails_the_server_instead_of_hanging():
     assert not [p for p in children if Path(f"/proc/{p}").exists() and _cmdline(p)], "children left running"
 
 
-
 def test_a_front_that_starts_slowly_is_waited_for_not_restarted(monkeypatch):
     """A front is failed for exiting before it serves, never for taking its time: one that
     sleeps before its imports (``slow_front``) serves as the first and only process of its
@@ -232,6 +231,7 @@ def test_a_front_that_starts_slowly_is_waited_for_not_restarted(monkeypatch):
         assert supervisor._failed_starts == [0] and supervisor.failure is None
     finally:
         supervisor.stop()
+
 
 def _url_of(proc) -> str:
     deadline, seen = time.monotonic() + 300, []

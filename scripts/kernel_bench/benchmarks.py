@@ -102,19 +102,6 @@ def bench_copy(run) -> None:
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
 
-def same_traffic_copy_ms(run, nbytes: int) -> float:
-    """A device copy moving ``nbytes`` in all (half read, half written), timed once per size:
-    a read stream of ``nbytes`` against it pays the same launch, ramp and tail (the 1 GiB
-    copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB)."""
-    cache = run.same_copy_ms
-    if nbytes not in cache:
-        src = torch.randn(nbytes // 4, device=run.dev).to(DT)
-        dst = torch.empty_like(src)
-        cache[nbytes] = run.time_ms(lambda: dst.copy_(src))
-        run.add("copy same traffic", f"{nbytes / 2**20:.0f} MiB moved", cache[nbytes], nbytes=nbytes)
-    return cache[nbytes]
-
-
 def graph_ms(run, fn) -> float:
     """``fn`` replayed in a CUDA graph, as the engine replays a decode: no launcher host
     time in the window. ``do_bench`` times one launch after a cache-clearing memset, and at
@@ -127,18 +114,22 @@ def graph_ms(run, fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
-def same_traffic_graph_copy_ms(run, nbytes: int) -> float:
-    """An SM copy moving ``nbytes`` (``torch.mul(src, 1, out=dst)``), timed in a graph:
-    ``copy_`` captured becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a
-    graph, 0.26 ms eagerly, on the H200)."""
-    cache = run.same_copy_graph_ms
-    if nbytes not in cache:
+def same_traffic_copy_ms(run, nbytes: int, *, graph: bool = False) -> float:
+    """A device copy moving ``nbytes`` in all (half read, half written), timed once per size:
+    a read stream of ``nbytes`` against it pays the same launch, ramp and tail (the 1 GiB
+    copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB). ``graph``: an SM
+    copy (``torch.mul(src, 1, out=dst)``) replayed in a CUDA graph, since ``copy_``
+    captured becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a graph, 0.26
+    ms eagerly, on the H200)."""
+    key = (nbytes, graph)
+    if key not in run.same_copy_ms:
         src = torch.randn(nbytes // 4, device=run.dev).to(DT)
         dst = torch.empty_like(src)
-        cache[nbytes] = graph_ms(run, lambda: torch.mul(src, 1, out=dst))
-        run.add("copy same traffic, SM copy in a graph", f"{nbytes / 2**20:.0f} MiB moved", cache[nbytes],
-                nbytes=nbytes)
-    return cache[nbytes]
+        run.same_copy_ms[key] = graph_ms(run, lambda: torch.mul(src, 1, out=dst)) if graph \
+            else run.time_ms(lambda: dst.copy_(src))
+        run.add("copy same traffic" + (", SM copy in a graph" if graph else ""),
+                f"{nbytes / 2**20:.0f} MiB moved", run.same_copy_ms[key], nbytes=nbytes)
+    return run.same_copy_ms[key]
 
 
 def with_same_copy(run, row, nbytes: int, fn=None):
@@ -146,7 +137,7 @@ def with_same_copy(run, row, nbytes: int, fn=None):
     with ``fn`` (the row's call) also graph_vs_copy: both replayed in CUDA graphs."""
     row["vs_same_copy"] = round(same_traffic_copy_ms(run, nbytes) / row["ms"], 3)
     if fn is not None:
-        row["graph_vs_copy"] = round(same_traffic_graph_copy_ms(run, nbytes) / graph_ms(run, fn), 3)
+        row["graph_vs_copy"] = round(same_traffic_copy_ms(run, nbytes, graph=True) / graph_ms(run, fn), 3)
     print(f"    vs_same_copy={row['vs_same_copy']} graph_vs_copy={row.get('graph_vs_copy')} "
           f"({row['kernel']} {row['shape']})", flush=True)
     return row

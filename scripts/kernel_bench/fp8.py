@@ -138,7 +138,7 @@ def bench_fp8(run) -> None:
     bench_fp8_prefill(run)
     hq, hkv, d = heads(run)
     b = 2 if run.tiny else 64
-    run.fp8_vs_copy, run.fp8_vs_same, run.fp8_graph = {}, {}, {}
+    decode_rows = []  # (context, the default fp8 decode's row): the summary's figures
     for ctx in ([40] if run.tiny else [2048, 8192, 32768]):
         for page, ppb in PAGES:
             kc, vc, ks, vs, cl, bt = fp8_paged(b, ctx, hkv, d, page, ppb, run.dev)
@@ -153,9 +153,7 @@ def bench_fp8(run) -> None:
                           note="vs_baseline: bf16-KV decode of the same shape")
             with_same_copy(run, row, fp8_decode_bytes(b, ctx, hq, hkv, d),
                            partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs))
-            run.fp8_vs_copy[(ctx, page)] = row.get("vs_copy")
-            run.fp8_vs_same[(ctx, page)] = row["vs_same_copy"]
-            run.fp8_graph[(ctx, page)] = row["graph_vs_copy"]
+            decode_rows.append((ctx, row))
             if page < 128:  # the default reads V a page at a time here: against one [tokens, D] tile
                 fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_pages=False)
                 run.add("decode triton fp8 kv tile V", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
@@ -176,9 +174,11 @@ def bench_fp8(run) -> None:
                     run.add(f"decode triton fp8 kv {tile}", f"B{b} ctx{ctx} page{page}", alt,
                             nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                             note="vs_baseline: the default tiles")
-    worst = min((v for v in run.fp8_vs_copy.values() if v is not None), default=None)
-    long = [v for (ctx, _), v in run.fp8_vs_copy.items() if v is not None and ctx >= 8192]
-    print(f"  fp8 KV decode vs the 1 GiB copy's rate: worst {worst}, ctx >= 8192 worst "
-          f"{min(long) if long else None} (acceptance: >= 0.9); against a copy of its bytes "
-          f"(same traffic) worst {min(run.fp8_vs_same.values(), default=None)}, both in CUDA graphs "
-          f"worst {min(run.fp8_graph.values(), default=None)}", flush=True)
+
+    def worst(key, min_ctx=0):
+        return min((r[key] for ctx, r in decode_rows if r.get(key) is not None and ctx >= min_ctx), default=None)
+
+    print(f"  fp8 KV decode vs the 1 GiB copy's rate: worst {worst('vs_copy')}, ctx >= 8192 worst "
+          f"{worst('vs_copy', 8192)} (acceptance: >= 0.9); against a copy of its bytes "
+          f"(same traffic) worst {worst('vs_same_copy')}, both in CUDA graphs "
+          f"worst {worst('graph_vs_copy')}", flush=True)
