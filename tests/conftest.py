@@ -1,7 +1,9 @@
 """Shared fixtures: composing specs from the packaged Hydra tree.
 
 scripts/ goes on sys.path so the kernel tests import the (not installed) benchmark
-harness's input builders as ``kernel_bench``.
+harness's input builders as ``kernel_bench``. The repo root comes off it (``python -m
+pytest`` puts it first): there the top-level ``kernels/`` (installed as ``pdflow.kernels``)
+would shadow the PyPI ``kernels`` package that transformers (5.25 on) imports.
 
 Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads
 (``OMP_NUM_THREADS``, inherited by the processes a test starts unless they set their own,
@@ -25,7 +27,8 @@ import torch
 from pdflow.graph import build_graph
 from pdflow.spec.load import compose_spec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT / "scripts"), *(p for p in sys.path if Path(p or ".").resolve() != ROOT)]
 if _workers and "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may be imported already
 

@@ -6,7 +6,6 @@ solves held-out problems; the smoke test runs scripts/train_target.py --smoke en
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,11 +78,10 @@ def test_shipped_checkpoint_loads_and_solves():
 
 
 def test_smoke_training_end_to_end(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ckpt, packed, restored = tmp_path / "ckpt", tmp_path / "packed", tmp_path / "restored"
 
     def run(*cmd):
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120)
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=120)
 
     run(sys.executable, "scripts/train_target.py", "--smoke", "--out", str(ckpt))
     _check_files(ckpt)
