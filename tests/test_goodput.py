@@ -80,18 +80,21 @@ def test_search_reports_zero_when_the_first_rate_misses():
 # -- a real HTTP server with a known service rate --------------------------------------
 
 
-def _stub_app():
+def _stub_app(cold_s: float):
+    """``cold_s``: extra service time of the first request, as a cold server's."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
     app = FastAPI()
     lock = asyncio.Lock()  # FIFO: one request in service at a time
+    served = [0]
 
     @app.post("/v1/completions")
     async def completions(body: dict):
         async def stream():
             async with lock:
-                await asyncio.sleep(SERVICE_S)
+                served[0] += 1
+                await asyncio.sleep(SERVICE_S + (cold_s if served[0] == 1 else 0.0))
             for i in range(2):
                 chunk = {"choices": [{"text": "x", "finish_reason": "length" if i else None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -103,14 +106,13 @@ def _stub_app():
     return app
 
 
-@pytest.fixture
-def stub_server():
+def _serve(cold_s: float = 0.0):
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_stub_app(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(_stub_app(cold_s), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -121,6 +123,16 @@ def stub_server():
     server.should_exit = True
     thread.join(timeout=10)
     sock.close()
+
+
+@pytest.fixture
+def stub_server():
+    yield from _serve()
+
+
+@pytest.fixture
+def cold_stub_server():
+    yield from _serve(cold_s=1.0)
 
 
 def test_goodput_converges_to_the_stub_servers_capacity(stub_server):
@@ -151,22 +163,34 @@ def test_a_sustained_probe_repeats_untimed_requests_and_leaves_a_trace_alone():
 
 
 def test_a_burst_hides_the_capacity_a_sustained_probe_finds(stub_server):
-    """Four requests at any rate finish within the SLO on the 10/s stub (the fourth waits
-    ~300 ms of 400): goodput without ``probe_s`` is the search's cap, not the server's
-    capacity. With ``probe_s`` each rate lasts 3 s and the search lands near 10/s: below
-    the ramp's next step (16/s), far below the burst's answer. (A 2-core host running the
-    rest of the suite moved the knee both ways: all met at 14.7/s here once, 0.58 at 16/s
-    of a 20/s stub another time, so the bounds are loose; the contrast is the point. A
-    probe of 1.5 s held 6 requests at the first rate, 4/s, and one request delayed by
-    the host failed it (0.83 < 0.9) once: 12 requests absorb one.)"""
+    """Four requests at any rate finish within the 600 ms SLO on the 10/s stub (the fourth
+    waits at most 300 ms, then is served in 100): goodput without ``probe_s`` is the
+    search's cap, not the server's capacity. With ``probe_s`` each rate lasts 3 s and the
+    search lands near 10/s (at 12/s the queue grows 17 ms a request, and the last 6 of 36
+    miss): below the ramp's next step (16/s), far below the burst's answer. (A 2-core host
+    running the rest of the suite moved the knee both ways, so the bounds are loose and
+    the SLO leaves 200 ms for the host's jitter; the contrast is the point.)"""
     requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(4)]
     capacity = 1 / SERVICE_S
     found = {}
     for probe_s in (None, 3.0):
-        slo = SloSpec(ttft_s=4 * SERVICE_S, attainment=0.9, start_rate=4.0, max_rate=32.0, rel_tol=0.1,
+        slo = SloSpec(ttft_s=6 * SERVICE_S, attainment=0.9, start_rate=4.0, max_rate=32.0, rel_tol=0.1,
                       max_probes=8, arrivals="uniform", probe_s=probe_s)
         spec = WorkloadSpec(kind="serve", num_requests=4, slo=slo, progress=False)
         found[probe_s] = asyncio.run(goodput_of(Target(url=stub_server, model="stub"), requests, spec))
     assert found[None].goodput >= 2 * capacity, found[None].probes
     assert 0.6 * capacity <= found[3.0].goodput < 1.6 * capacity, found[3.0].probes
     assert found[3.0].goodput < 0.6 * found[None].goodput
+
+
+def test_a_cold_servers_first_request_is_not_a_probes(cold_stub_server):
+    """The stub's first request takes 1.1 s, past the SLO: were it the first probe's, the
+    search would read 4/s as the knee and answer below it. Goodput sends one untimed
+    request first, so the burst of four meets the SLO at every rate, up to the cap."""
+    requests = [WorkRequest(prompt=[5, 6, 7, 8], max_tokens=2) for _ in range(4)]
+    slo = SloSpec(ttft_s=6 * SERVICE_S, attainment=0.9, start_rate=4.0, max_rate=32.0, rel_tol=0.1,
+                  max_probes=8, arrivals="uniform")
+    spec = WorkloadSpec(kind="serve", num_requests=4, slo=slo, progress=False)
+    found = asyncio.run(goodput_of(Target(url=cold_stub_server, model="stub"), requests, spec))
+    assert found.probes[0].rate == 4.0 and found.probes[0].attainment == 1.0, found.probes
+    assert found.goodput >= 2 / SERVICE_S, found.probes

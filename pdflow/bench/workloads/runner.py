@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
@@ -47,13 +48,18 @@ def _rows(phase: str, requests: list[WorkRequest], results: list[RequestResult])
 
 
 async def goodput_of(target: Target, requests: list[WorkRequest], spec: WorkloadSpec) -> GoodputResult:
-    """The goodput search over these requests (open loop: every request may be in flight)."""
+    """The goodput search over these requests (open loop: every request may be in flight).
+    One untimed request goes first: a cold server's first request (connections, lazy
+    compilation) would otherwise fail the first probe, which the search then reads as the
+    knee and bisects below the start rate."""
 
     async def send(timed: list[WorkRequest]) -> list[RequestResult]:
         results, _ = await drive(target, timed, concurrency=max(1, len(timed)), timeout_s=spec.request_timeout_s,
                                  progress=False, label="goodput")
         return results
 
+    if requests:
+        await send([replace(requests[0], arrival_s=None)])
     return await search(make_probe(send, requests, spec.slo, seed=spec.seed), spec.slo)
 
 
