@@ -4,14 +4,16 @@ Greedy-decodes held-out k-shot arithmetic (strict / flexible exact match, as lm-
 scores GSM8K) and retrieval at five depths of the longest trained context, batched with
 left padding. Scoring comes from pdflow.bench.tasks, which the engine's eval shares.
 
-    PYTHONPATH=. python scripts/eval_target.py --ckpt /tmp/tiny --json /tmp/eval.json
-    PYTHONPATH=. python scripts/eval_target.py --ckpt /tmp/tiny --n 8 --retrieval-per-depth 1
+    python scripts/eval_target.py --ckpt /tmp/tiny --json /tmp/eval.json
+    python scripts/eval_target.py --ckpt /tmp/tiny --n 8 --retrieval-per-depth 1
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+if importlib.util.find_spec("pdflow") is None:  # a source tree: after site-packages, where the
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # top-level kernels/ shadows nothing
 
 from pdflow.bench.tasks import (
     DEPTHS,

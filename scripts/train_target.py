@@ -1,17 +1,18 @@
 """Train pdflow's shipped target: a tiny GQA Llama on generated arithmetic + retrieval.
 
 Imports only torch, transformers, tokenizers and pdflow.bench.tasks (stdlib-only), so it
-runs from the repo root with PYTHONPATH=. on a bare GPU machine. `--steps 0` sizes the
+runs from a source tree on a bare GPU machine, pdflow not installed. `--steps 0` sizes the
 run from measured step time and `--time-budget-s`; the steps it chose are saved in
 pdflow_training.json, and passing them back as `--steps N` reproduces the run.
 
-    PYTHONPATH=. python scripts/train_target.py --out /tmp/tiny --time-budget-s 390
-    PYTHONPATH=. python scripts/train_target.py --out /tmp/tiny-smoke --smoke
+    python scripts/train_target.py --out /tmp/tiny --time-budget-s 390
+    python scripts/train_target.py --out /tmp/tiny-smoke --smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -24,6 +25,9 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+if importlib.util.find_spec("pdflow") is None:  # a source tree: after site-packages, where the
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # top-level kernels/ shadows nothing
 
 from pdflow.bench.tasks import training_text
 from pdflow.bench.tasks import vocab as V
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": sys.version.split()[0], "smoke": args.smoke,
-        "reproduce": f"PYTHONPATH=. python scripts/train_target.py --out OUT --seed {args.seed} "
+        "reproduce": f"python scripts/train_target.py --out OUT --seed {args.seed} "
                      f"--steps {step} --time-budget-s 0 --seq-len {args.seq_len} --batch-size {args.batch_size} "
                      f"--lr {args.lr} --warmup {args.warmup} --retrieval-fraction {args.retrieval_fraction} "
                      f"--workers {args.workers}",
