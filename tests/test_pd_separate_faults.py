@@ -206,16 +206,23 @@ def _aborts(url: str) -> float:
     return sample(scrape(url), "pdflow_requests_total", outcome="abort")
 
 
+def _dropped(url: str) -> float:
+    return sample(scrape(url), "pdflow_remote_prefills_aborted_total")
+
+
 def test_a_client_gone_mid_stream_or_mid_transfer_frees_both_instances(pd):
     """Mid-stream it may race the last token (then it simply finished); mid-transfer it
-    cannot: the transfer is held until the client is gone, and the decode instance counts
-    an abort and frees the blocks only after the producer answered."""
+    cannot: the transfer is held until the client is gone. The decode instance counts an
+    abort and tells the producer, which drops the request (no longer running there) but
+    answers only once its export settled: until the transfer is let go, the decode
+    instance still holds the blocks it would write (freeing them on the abort would let
+    the late write land in reused blocks)."""
     urls, release = pd["urls"], pd["release"]
     with httpx.stream("POST", urls["router_a"] + "/v1/completions", timeout=60,
                       json=_body([9] * 40, 50, stream=True)) as s:
         assert next(s.iter_lines()).startswith("data: ")
     _all_free(urls["a"], urls["prefill"])
-    before = _aborts(urls["a"])
+    before, dropped = _aborts(urls["a"]), _dropped(urls["prefill"])
     release.unlink()
     try:
         with socket.create_connection(urls["router_a"].removeprefix("http://").split(":")) as raw:
@@ -224,11 +231,34 @@ def test_a_client_gone_mid_stream_or_mid_transfer_frees_both_instances(pd):
                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
             _wait_for(lambda: _holding(urls["prefill"]))
         _wait_for(lambda: _aborts(urls["a"]) > before)  # seen while the transfer is still held
+        _wait_for(lambda: _dropped(urls["prefill"]) > dropped)
+        _wait_for(lambda: sample(scrape(urls["prefill"]), "pdflow_requests_running") == 0)
+        for _ in range(20):  # the producer's answer waits for the export: no block comes free
+            assert _holding(urls["a"]) and _holding(urls["prefill"]), scrape_all()
+            time.sleep(0.05)
     finally:
         release.touch()
     _all_free(urls["a"], urls["prefill"])
-    assert _aborts(urls["a"]) == before + 1
+    assert _aborts(urls["a"]) == before + 1 and _dropped(urls["prefill"]) == dropped + 1
     _served(urls["router_a"])
+
+
+def test_a_held_export_holds_up_no_other_request(pd):
+    """A consumer that stalls its transfer (held here) holds up neither the producer's own
+    API requests nor its prefills for other consumers: its loop never parks on an export
+    (it did, until the export settled or ``transfer.timeout_s``)."""
+    urls, release = pd["urls"], pd["release"]
+    release.unlink()
+    try:
+        held = _InThread(lambda: _post(urls["router_a"], _body([3, *LONG])))
+        _wait_for(lambda: _holding(urls["prefill"]))
+        _served(urls["prefill"], timeout=30)  # whole, beside the held export
+        assert held.response is None, held.response  # still held
+    finally:
+        release.touch()
+    r = held.result()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    _all_free(urls["a"], urls["prefill"])
 
 
 # -- schemathesis --------------------------------------------------------------------------

@@ -101,3 +101,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def holds_blocks(self) -> bool:
+        """A step in flight or an export not yet settled may still use its blocks (a P/D
+        producer's aborted request: its consumer holds the target blocks until this is
+        False, so no late write lands in reused ones)."""
+        return self.in_flight or not self.finished

@@ -4,8 +4,9 @@ A request with the router's ``x-pdflow-prefill: <producer URL>`` header is admit
 ``Deployment`` admits one (``engine/remote_admission``); a worker thread pairs with that
 producer once (``POST /pdflow/pair``) and asks it to prefill into the allocated blocks
 (``POST /pdflow/prefill``); the answer's first token resumes the request here. A failed
-exchange ends the request and frees its blocks; an aborted one frees them only once the
-producer has answered, so no late write lands in reused blocks. A request without the
+exchange ends the request and frees its blocks; an aborted one asks the producer to drop
+the prefill (``POST /pdflow/abort``) and frees them only once the producer has answered,
+so no late write lands in reused blocks. A request without the
 header is served whole. On shutdown each paired producer is told (``/pdflow/unpair``).
 """
 
@@ -32,11 +33,13 @@ from pdflow.parallel.messages import ForgetConsumer
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.pd_wire import (
+    ABORT_PATH,
     INSTANCE_PATH,
     PAIR_PATH,
     PREFILL_HEADER,
     PREFILL_PATH,
     UNPAIR_PATH,
+    AbortPrefill,
     InstanceCard,
     PairRequest,
     PDRoute,
@@ -49,6 +52,7 @@ from pdflow.serve.reuse_metrics import ReuseCollector
 IDLE_WAIT_S = 0.005
 EXCHANGE_THREADS = 8
 UNPAIR_TIMEOUT_S = 2.0  # per producer, on shutdown: a producer that does not answer forgets on its own
+ABORT_TIMEOUT_S = 5.0  # telling a producer to drop a prefill (best effort: its answer frees the blocks)
 
 
 def prefill_route(request: Request) -> PDRoute | None:
@@ -69,6 +73,7 @@ class DecodeBackend(EngineFacts):
         # Requests the pool was full for: id, prompt, sampling, producer URL.
         self.waiting: deque[tuple[str, list[int], SamplingParams, str]] = deque()
         self.aborted: set[str] = set()
+        self.producer_of: dict[str, str] = {}  # exchanges under way: the producer URL
         self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
@@ -78,6 +83,8 @@ class DecodeBackend(EngineFacts):
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers)
         self._pool = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="pdflow-prefill")
+        # Aborts go on a thread of their own: the exchange threads may all be waiting for answers.
+        self._aborts = ThreadPoolExecutor(1, thread_name_prefix="pdflow-abort")
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
@@ -97,6 +104,8 @@ class DecodeBackend(EngineFacts):
     def abort(self, request_id: str) -> bool:
         if request_id in self.engine.awaiting_kv:
             self.aborted.add(request_id)  # its blocks are freed once the producer answers
+            if (producer := self.producer_of.get(request_id)) is not None:
+                self._aborts.submit(self._tell_abort, producer, request_id)
             return True
         for item in self.waiting:
             if item[0] == request_id:
@@ -117,6 +126,7 @@ class DecodeBackend(EngineFacts):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._aborts.shutdown(wait=False, cancel_futures=True)
         self._unpair_all()
         self._client.close()
         self.engine.shutdown()
@@ -141,6 +151,7 @@ class DecodeBackend(EngineFacts):
         if admitted.local or admitted.target is None:
             return admitted.local
         job = RemotePrefill(request_id=rid, prompt_token_ids=prompt, sampling=sampling, target=admitted.target)
+        self.producer_of[rid] = producer
         self._pool.submit(self._exchange, producer, job)
         return True
 
@@ -151,6 +162,15 @@ class DecodeBackend(EngineFacts):
         except Exception as err:  # every failure ends this request, never the instance
             answer = PrefillAnswer(error=f"prefill at {producer} failed: {err}")
         self.results.put((job.request_id, answer))
+
+    def _tell_abort(self, producer: str, request_id: str) -> None:
+        """Best effort: a producer that misses this prefills the request anyway, and its
+        answer frees the blocks as before."""
+        try:
+            self._post(producer + ABORT_PATH, AbortPrefill(consumer=self.consumer_id, request_id=request_id),
+                       timeout=ABORT_TIMEOUT_S)
+        except (httpx.HTTPError, RuntimeError) as err:
+            print(f"pdflow: {producer} was not told request {request_id} ended: {err}", file=sys.stderr)
 
     def _pair(self, producer: str) -> None:
         with self._pair_lock:
@@ -174,6 +194,7 @@ class DecodeBackend(EngineFacts):
             while True:
                 aborted = rid in self.aborted
                 self.aborted.discard(rid)
+                self.producer_of.pop(rid, None)
                 settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
                 if not aborted:  # an aborted one has ended already (its abort answered)
                     outputs.append(settled)

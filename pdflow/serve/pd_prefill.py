@@ -10,6 +10,7 @@ prefills is in the engine (a live one pairs again on its next prefill).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
@@ -17,21 +18,24 @@ import time
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from pdflow.engine.engine_facts import EngineFacts
 from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import Sequence
 from pdflow.parallel.messages import ForgetConsumer, KVEndpoint
 from pdflow.serve.api import EngineHost, bearer_guard
 from pdflow.serve.backend import DraftCounts, DraftStats
 from pdflow.serve.errors import APIError
 from pdflow.serve.pd_wire import (
+    ABORT_PATH,
     INSTANCE_PATH,
     PAIR_PATH,
     PREFILL_PATH,
     UNPAIR_PATH,
+    AbortPrefill,
     InstanceCard,
     PairRequest,
     PDRoute,
@@ -40,9 +44,11 @@ from pdflow.serve.pd_wire import (
     RouteRefused,
 )
 from pdflow.serve.reuse_metrics import ReuseCollector
+from pdflow.serve.serving_core import Ticket
 from pdflow.transfer.errors import PairingRefused
 
 IDLE_SLEEP_S = 0.002
+SETTLE_POLL_S = 0.005  # an aborted prefill's answer: how often its route looks for the export settled
 
 
 class PrefillBackend(EngineFacts):
@@ -64,6 +70,11 @@ class PrefillBackend(EngineFacts):
         self._collected: list[TokenOutput] = []
         self.remote: dict[str, str] = {}  # in the engine, answer not yet taken: its consumer id
         self.answers: dict[str, PrefillAnswer] = {}
+        # Remote prefills by (consumer id, the consumer's request id): what /pdflow/abort ends.
+        self.jobs: dict[tuple[str, str], Ticket] = {}
+        # Aborted remote prefills whose step or export may still write (replaced whole:
+        # their routes read it), and how many a consumer asked to drop (/metrics).
+        self.settling: dict[str, Sequence] = {}
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
@@ -82,16 +93,30 @@ class PrefillBackend(EngineFacts):
         return rid
 
     def abort(self, request_id: str) -> bool:
-        self.remote.pop(request_id, None)
-        return self.engine.abort(request_id)
+        if self.remote.pop(request_id, None) is None:
+            return self.engine.abort(request_id)
+        seq = self.engine.scheduler.find(request_id)
+        aborted = self.engine.abort(request_id)
+        if seq is not None and seq.holds_blocks:  # answered once this is False (``step``)
+            self.settling = {**self.settling, request_id: seq}
+        return aborted
 
     def step(self) -> list[TokenOutput]:
         self._let_go()
         stepped, self._collected = self._collected, []
         if self.engine.has_unfinished():
-            stepped += self._draft_counts.keep(self.engine.step())
+            # Never parked on an export: with no step in flight the loop looks for settled
+            # ones and goes back for commands, so a consumer that stalls its transfer
+            # holds up no other request, pairing or abort (engine.step would wait for it).
+            busy = self.engine.submit()
+            fresh = self._draft_counts.keep(self.engine.collect(wait=False))
+            if not busy and not fresh:
+                time.sleep(IDLE_SLEEP_S)
+            stepped += fresh
         elif not stepped:
             time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
+        if self.settling:
+            self.settling = {rid: seq for rid, seq in self.settling.items() if seq.holds_blocks}
         for out in stepped:
             consumer = self.remote.pop(out.request_id, None)
             if consumer is not None:
@@ -162,6 +187,8 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     host.metrics.count_pairings(backend.pairings)
     host.metrics.registry.register(ReuseCollector(producer=backend.engine))
     host.metrics.count_kv_transfer(lambda: (backend.engine.kv_bytes_sent, backend.engine.kv_blocks_sent))
+    dropped = Counter("pdflow_remote_prefills_aborted", "Remote prefills a consumer asked to drop, its request "
+                      "ended first (client gone, time up).", registry=host.metrics.registry)
     Gauge("pdflow_kv_paired_consumers", "Consumer instances whose peers this instance's ranks hold now.",
           registry=host.metrics.registry).set_function(lambda: len(backend.held))
 
@@ -193,13 +220,29 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
         job = _decode(await request.body(), RemotePrefill)  # its sampling checked on decoding: a 400
         ticket, events = host.loop.open_stream(job.prompt_token_ids, dataclasses.replace(job.sampling, max_tokens=1),
                                                route=PDRoute(remote=job))
-        event = await events.get()
-        while not event.done:
+        key = (job.target.consumer, job.request_id)
+        backend.jobs[key] = ticket
+        try:
             event = await events.get()
+            while not event.done:
+                event = await events.get()
+        finally:
+            backend.jobs.pop(key, None)
         answer = backend.answers.pop(ticket.request_id, None) if ticket.request_id else None
         if answer is None:
+            while ticket.request_id in backend.settling:  # aborted: the consumer frees its blocks on this answer
+                await asyncio.sleep(SETTLE_POLL_S)
             answer = PrefillAnswer(error=event.error or f"ended: {event.finish_reason}")
         return Response(msgspec.json.encode(answer), media_type="application/json")
+
+    @app.post(ABORT_PATH, dependencies=guard)
+    async def abort(request: Request):
+        ask = _decode(await request.body(), AbortPrefill)
+        ticket = backend.jobs.get((ask.consumer, ask.request_id))
+        if ticket is not None:  # else not here yet, or answered: it runs its course
+            host.loop.abort(ticket)
+            dropped.inc()
+        return {"aborted": ticket is not None}
 
 
 def _decode(body: bytes, kind: type):

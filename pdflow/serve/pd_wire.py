@@ -1,4 +1,4 @@
-"""What separately started P/D instances say to each other and to their router, on four
+"""What separately started P/D instances say to each other and to their router, on five
 internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
 
 - ``GET /pdflow/instance`` on either instance: its ``InstanceCard`` (role, model, the run
@@ -9,6 +9,9 @@ internal routes (under ``/pdflow/``, behind the API key like ``/v1``):
   the producer drops its endpoints and its ranks close their peers of it.
 - ``POST /pdflow/prefill`` on a producer: a ``RemotePrefill``; the producer prefills,
   writes the prompt's KV into the consumer's blocks and answers a ``PrefillAnswer``.
+- ``POST /pdflow/abort`` on a producer: an ``AbortPrefill`` from a consumer whose request
+  ended first (its client gone, its time up); the producer drops the prefill, and its
+  ``/pdflow/prefill`` answer waits until no step or export of it can still write.
 
 The router names the producer in each request's ``x-pdflow-prefill`` header; the
 consumer drives the exchange (docs/ARCHITECTURE.md, "Separately started instances").
@@ -32,6 +35,7 @@ from pdflow.spec import RunSpec
 PREFILL_HEADER = "x-pdflow-prefill"
 INSTANCE_PATH, PAIR_PATH, PREFILL_PATH = "/pdflow/instance", "/pdflow/pair", "/pdflow/prefill"
 UNPAIR_PATH = "/pdflow/unpair"  # its body: the ``ForgetConsumer`` the producer then tells its ranks
+ABORT_PATH = "/pdflow/abort"  # its body: an ``AbortPrefill``
 
 
 class RunGraphMismatch(RuntimeError):
@@ -58,6 +62,14 @@ class RemotePrefill(msgspec.Struct, kw_only=True):
     # The request's own (checked again on decoding); the producer samples one token.
     sampling: SamplingParams
     target: KVTarget  # the consumer's blocks and their nonce, ``consumer`` its id
+
+
+class AbortPrefill(msgspec.Struct, kw_only=True):
+    """A consumer's request ended before its KV landed: the producer need not prefill it.
+    The consumer still frees the blocks only on the prefill's answer."""
+
+    consumer: str
+    request_id: str  # the consumer's, as in its ``RemotePrefill``
 
 
 class PrefillAnswer(msgspec.Struct, kw_only=True):
