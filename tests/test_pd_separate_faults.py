@@ -23,6 +23,7 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 from bench_load import sample, scrape
 from test_pd_separate import ENV, _stop, _url_of
@@ -55,7 +56,8 @@ def pd(tmp_path_factory):
     held_env = {**ENV, FAULT_ENV: "export:prefill:0:hold", RELEASE_ENV: str(release)}
     procs = {}
     try:
-        procs["prefill"] = _start("role=prefill", env=held_env)
+        # a queued remote prefill outlives every wait below unless its consumer drops it
+        procs["prefill"] = _start("role=prefill", "serve.queue_timeout_s=200", env=held_env)
         procs["a"] = _start("role=decode")
         procs["b"] = _start("role=decode", f"serve.request_timeout_s={TIMEOUT_S}", "serve.max_queued_requests=0")
         urls = {name: _url_of(proc) for name, proc in procs.items()}
@@ -259,6 +261,58 @@ def test_a_held_export_holds_up_no_other_request(pd):
     r = held.result()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     _all_free(urls["a"], urls["prefill"])
+
+
+def _gone_after_admission(router: str, decode: str, prompt: list[int]) -> None:
+    """A streamed request whose client leaves once ``decode`` holds blocks for it."""
+    with socket.create_connection(router.removeprefix("http://").split(":")) as raw:
+        payload = json.dumps(_body(prompt, stream=True)).encode()
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        _wait_for(lambda: _holding(decode))
+
+
+def test_a_prefill_queued_at_the_producer_is_dropped_when_its_client_leaves(pd):
+    """Four held exports for decode b fill the producer's 24 blocks, so a fifth prompt, via
+    decode a, waits in the producer's queue (its ``queue_timeout_s`` is 200 s). Its client
+    leaves: decode a tells the producer, which drops it uncomputed and answers at once, so
+    decode a's blocks come free while the four are still held (before ``/pdflow/abort``
+    they stayed taken until the producer's queue gave up on it)."""
+    urls, release = pd["urls"], pd["release"]
+    dropped = _dropped(urls["prefill"])
+    release.unlink()
+    try:
+        held = [_InThread(lambda i=i: _post(urls["router_b"], _body([i + 1, *LONG]))) for i in range(4)]
+        _wait_for(lambda: sample(scrape(urls["prefill"]), "pdflow_kv_blocks_free") < 6)
+        _gone_after_admission(urls["router_a"], urls["a"], [50, *LONG])
+        _wait_for(lambda: _dropped(urls["prefill"]) > dropped)
+        _all_free(urls["a"])
+        assert _holding(urls["prefill"]) and not release.exists()  # the four are still held
+    finally:
+        release.touch()
+    for request in held:  # answered, or ended at b's request_timeout_s meanwhile
+        assert request.result().status_code in (200, 503)
+    _all_free(urls["a"], urls["b"], urls["prefill"])
+    _served(urls["router_a"])
+
+
+def test_an_abort_before_its_prefill_refuses_the_prefill(pd):
+    """The consumer's abort may overtake its own prefill request (two threads): the
+    producer keeps it, and the prefill that follows is answered 'ended: abort' at once,
+    never run (without it: refused here as an unpaired consumer's)."""
+    from pdflow.engine.sampling_params import SamplingParams
+    from pdflow.engine.sequence import KVTarget
+    from pdflow.serve.pd_wire import AbortPrefill, RemotePrefill
+
+    url, dropped = pd["urls"]["prefill"], _dropped(pd["urls"]["prefill"])
+    ask = AbortPrefill(consumer="gone", request_id="r0")
+    r = httpx.post(url + "/pdflow/abort", content=msgspec.json.encode(ask), timeout=30)
+    assert r.status_code == 200 and r.json() == {"aborted": False}, r.text
+    job = RemotePrefill(request_id="r0", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=1),
+                        target=KVTarget(blocks=(0,), nonce=1, consumer="gone"))
+    r = httpx.post(url + "/pdflow/prefill", content=msgspec.json.encode(job), timeout=30)
+    assert r.status_code == 200 and r.json()["error"] == "ended: abort", r.text
+    assert _dropped(url) == dropped + 1
 
 
 # -- schemathesis --------------------------------------------------------------------------

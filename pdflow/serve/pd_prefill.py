@@ -49,6 +49,7 @@ from pdflow.transfer.errors import PairingRefused
 
 IDLE_SLEEP_S = 0.002
 SETTLE_POLL_S = 0.005  # an aborted prefill's answer: how often its route looks for the export settled
+EARLY_ABORT_KEEP_S = 60.0  # an abort that came before its prefill: how long it waits for it
 
 
 class PrefillBackend(EngineFacts):
@@ -72,6 +73,8 @@ class PrefillBackend(EngineFacts):
         self.answers: dict[str, PrefillAnswer] = {}
         # Remote prefills by (consumer id, the consumer's request id): what /pdflow/abort ends.
         self.jobs: dict[tuple[str, str], Ticket] = {}
+        # Aborts that came before their prefill (the consumer's threads raced): when, by key.
+        self.early_aborts: dict[tuple[str, str], float] = {}
         # Aborted remote prefills whose step or export may still write (replaced whole:
         # their routes read it), and how many a consumer asked to drop (/metrics).
         self.settling: dict[str, Sequence] = {}
@@ -218,9 +221,12 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     @app.post(PREFILL_PATH, dependencies=guard)
     async def prefill(request: Request):
         job = _decode(await request.body(), RemotePrefill)  # its sampling checked on decoding: a 400
+        key = (job.target.consumer, job.request_id)
+        if backend.early_aborts.pop(key, None) is not None:  # its consumer gave up already
+            dropped.inc()
+            return Response(msgspec.json.encode(PrefillAnswer(error="ended: abort")), media_type="application/json")
         ticket, events = host.loop.open_stream(job.prompt_token_ids, dataclasses.replace(job.sampling, max_tokens=1),
                                                route=PDRoute(remote=job))
-        key = (job.target.consumer, job.request_id)
         backend.jobs[key] = ticket
         try:
             event = await events.get()
@@ -238,10 +244,14 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
     @app.post(ABORT_PATH, dependencies=guard)
     async def abort(request: Request):
         ask = _decode(await request.body(), AbortPrefill)
-        ticket = backend.jobs.get((ask.consumer, ask.request_id))
-        if ticket is not None:  # else not here yet, or answered: it runs its course
+        key, now = (ask.consumer, ask.request_id), time.monotonic()
+        ticket = backend.jobs.get(key)
+        if ticket is not None:
             host.loop.abort(ticket)
             dropped.inc()
+        else:  # not here yet (refused when it comes), or answered already (forgotten in time)
+            backend.early_aborts = {k: t for k, t in backend.early_aborts.items() if now - t < EARLY_ABORT_KEEP_S}
+            backend.early_aborts[key] = now
         return {"aborted": ticket is not None}
 
 

@@ -103,7 +103,7 @@ class ServingCore:
     def offer(self, ticket: Ticket) -> None:
         """A new request: into the waiting room, or refused (503) when it is full."""
         if ticket.cancelled:
-            self._on_finish(ticket, StreamEvent(finish_reason="abort"))
+            self._end_unadmitted(ticket)
         elif not self.admission.offer(ticket, len(ticket.prompt_token_ids)):
             self._refuse(ticket, f"the server is at capacity ({self.admission.num_waiting} requests waiting "
                                  "for KV blocks); retry later")
@@ -115,7 +115,14 @@ class ServingCore:
             self.backend.abort(ticket.request_id)
             self.finish(ticket, StreamEvent(finish_reason="abort"))
         elif self.admission.withdraw(ticket):
-            self._on_finish(ticket, StreamEvent(finish_reason="abort"))
+            self._end_unadmitted(ticket)
+
+    def _end_unadmitted(self, ticket: Ticket) -> None:
+        """Aborted before the engine had it. Its event is delivered too: an API request's
+        client is gone, but a producer's prefill route waits for it to answer the consumer."""
+        event = StreamEvent(finish_reason="abort")
+        self._on_finish(ticket, event)
+        ticket.deliver(event)
 
     def turn(self) -> None:
         """Admit what fits, then one engine step. A turn that leaves requests in the
