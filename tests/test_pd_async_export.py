@@ -121,3 +121,29 @@ def test_an_abort_while_the_export_is_held_frees_the_blocks_only_once_it_settles
         assert producer.num_free_kv_blocks == producer.num_kv_blocks
         assert d.consumer.fail_remote("a", "abort")
         assert d.consumer.num_free_kv_blocks == d.consumer.num_kv_blocks
+
+
+@pytest.mark.slow
+def test_a_deployment_abort_while_the_export_is_held_keeps_the_consumers_blocks_until_it_settles(
+        tmp_path, monkeypatch):
+    """``Deployment.abort`` drops the request at the producer, but its export is on the
+    wire: the consumer's blocks stay taken until it settles (freed at once, the late
+    write would land in reused blocks), then the request ends 'abort' and both pools are
+    whole."""
+    release = tmp_path / "release"
+    monkeypatch.setenv(faults.ENV, "export:prefill:0:hold")
+    monkeypatch.setenv(faults.RELEASE_ENV, str(release))
+    with Deployment(compose([*BASE, "prefill=tp1"])) as d:
+        [rid] = d.submit([_prompts()[0]], GREEDY)
+        assert d.step() == []  # its prefill step is back; its export is held
+        assert d.producer.scheduler.find(rid).status is SequenceStatus.SENDING_KV
+        assert d.abort(rid)
+        assert d.consumer.num_free_kv_blocks < d.consumer.num_kv_blocks  # the write may still land
+        assert rid in d.consumer.awaiting_kv  # (a step now would wait for the export: the driver is one thread)
+        release.touch()
+        outs = []
+        while rid in d.consumer.awaiting_kv:
+            outs += d.step()
+        assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+        assert d.consumer.num_free_kv_blocks == d.consumer.num_kv_blocks
+        assert d.producer.num_free_kv_blocks == d.producer.num_kv_blocks

@@ -218,6 +218,21 @@ def test_consumer_killed_frees_the_producers_blocks_and_the_producer_serves_on()
         assert again.error is None and len(again.token_ids) == GREEDY.max_tokens
 
 
+def test_an_abort_before_the_producer_computed_it_drops_it_there_and_frees_both_pools():
+    """Admitted (the consumer's blocks allocated, the prompt queued at the producer), then
+    aborted before any step: the producer never computes it and both pools are whole at
+    once (before, the producer prefilled and sent it, and only then were they freed)."""
+    spec = compose([*SMALL, "prefill=tp1", "decode=tp1"])
+    with Deployment(spec) as d:
+        [rid] = d.submit([_prompts()[1]], GREEDY)
+        assert list(d._admit()) == [] and rid in d.consumer.awaiting_kv
+        steps = d.producer.steps
+        assert d.abort(rid) and not d.abort(rid)
+        assert all(free == total for free, total in _pools(d))
+        assert d.step() == [] and d.producer.steps == steps
+        assert d.generate([_prompts()[0]], GREEDY)[0].error is None
+
+
 def test_abort_while_the_kv_is_on_its_way_frees_blocks_after_the_transfer():
     spec = compose([*SMALL, "prefill=tp1", "decode=tp1"])
     with Deployment(spec) as d:

@@ -25,6 +25,7 @@ from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import RequestOutput, TokenOutput
 from pdflow.engine.remote_admission import ReuseCounts, admit_to_consumer, settle_remote
 from pdflow.engine.sampling_params import SamplingParams
+from pdflow.engine.sequence import Sequence as EngineSequence
 from pdflow.graph import CONSUMER, PRODUCER, build_graph
 from pdflow.graph.host import read_devices
 from pdflow.spec import RunSpec
@@ -74,6 +75,9 @@ class Deployment(EngineFacts):
         self.lost: dict[str, str | None] = {PRODUCER: None, CONSUMER: None}
         # The consumer's admissions: remote or local prefills, prompt tokens reused.
         self.reuse = ReuseCounts()
+        # Aborted while the producer had them: its copy, ended once nothing of it may
+        # still write into the consumer's blocks (``_settle_dropped``).
+        self._dropping: dict[str, EngineSequence] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class Deployment(EngineFacts):
         """Admit, then submit the producer's step and the consumer's before collecting
         either, so a decode step computes while a prefill step does, not after it."""
         yield from self._admit()
+        yield from self._settle_dropped()
         stepping = [role for role, e in self._live().items() if e.has_unfinished()]
         for role in stepping:
             yield from self._guarded(role, functools.partial(self._submit, role))
@@ -142,8 +147,9 @@ class Deployment(EngineFacts):
                                          else self._collect_consumer)
 
     def abort(self, request_id: str) -> bool:
-        """End a request now. One whose prompt KV may be in flight to the consumer ends
-        when that transfer settles, so its blocks are never reused under a late write."""
+        """End a request now. One the producer has is dropped there (a prompt not computed
+        yet never is); if a step or its export may still write into the consumer's blocks,
+        it ends once they settled, so those blocks are never reused under a late write."""
         req = self._requests.get(request_id)
         if req is None or req.out.finish_reason is not None:
             return False
@@ -151,7 +157,12 @@ class Deployment(EngineFacts):
             self._queue.remove(req)
         elif request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
             req.aborted = True
-            return True
+            held = self.producer.scheduler.find(request_id)
+            self.producer.abort(request_id)  # a prompt not computed yet never is
+            if held is not None and held.holds_blocks:
+                self._dropping[request_id] = held  # a step or its export may still write
+                return True
+            self.consumer.fail_remote(request_id, "abort")
         elif not any(e.abort(request_id) for e in self._live().values()):
             return False
         req.out.finish_reason = "abort"
@@ -229,6 +240,20 @@ class Deployment(EngineFacts):
                 yield from self._guarded(CONSUMER, self._probe_consumer)
             else:
                 yield self._record(settled)
+
+    def _settle_dropped(self) -> Iterator[TokenOutput]:
+        """Aborted requests the producer dropped mid-step or mid-export: the consumer frees
+        their blocks once nothing of the producer's may still write into them."""
+        for rid, held in list(self._dropping.items()):
+            if held.holds_blocks and self._up(PRODUCER):
+                continue
+            del self._dropping[rid]
+            if rid not in self.consumer.awaiting_kv:
+                continue  # ended already: its producer was lost
+            yield settle_remote(self.consumer, rid, None, None, aborted=True)
+            if (req := self._requests.get(rid)) is not None:
+                req.out.finish_reason = "abort"
+                self._settle(req)
 
     def _collect_consumer(self) -> list[TokenOutput]:
         return [self._record(out) for out in self.consumer.collect()]
