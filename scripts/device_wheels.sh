@@ -2,9 +2,11 @@
 # The wheels pdflow needs on a GPU machine that has torch, triton and transformers but no
 # package registry (Python 3.12, x86-64), at the versions this venv runs, into .whl/.
 # On that machine, from the repo root (kernels/ and conf/ install under pdflow.*, so a
-# source tree needs the two links):
+# source tree needs the two links; only pdflow/ goes on the path, through /tmp/src: the
+# repo root there would let kernels/ shadow the PyPI kernels that transformers >= 5.25 imports):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-#   export PYTHONPATH=/tmp/site:$PWD && ln -s ../kernels pdflow/kernels && ln -s ../conf pdflow/conf
+#   mkdir -p /tmp/src && ln -sfn "$PWD/pdflow" /tmp/src/pdflow && export PYTHONPATH=/tmp/site:/tmp/src &&
+#   ln -sfn ../kernels pdflow/kernels && ln -sfn ../conf pdflow/conf
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAMES="hydra-core omegaconf msgspec pyzmq fastapi starlette pydantic pydantic_core typing-inspection
