@@ -12,6 +12,7 @@ header is served whole. On shutdown each paired producer is told (``/pdflow/unpa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import sys
@@ -105,7 +106,8 @@ class DecodeBackend(EngineFacts):
         if request_id in self.engine.awaiting_kv:
             self.aborted.add(request_id)  # its blocks are freed once the producer answers
             if (producer := self.producer_of.get(request_id)) is not None:
-                self._aborts.submit(self._tell_abort, producer, request_id)
+                with contextlib.suppress(RuntimeError):  # shutting down: nothing more is sent
+                    self._aborts.submit(self._tell_abort, producer, request_id)
             return True
         for item in self.waiting:
             if item[0] == request_id:

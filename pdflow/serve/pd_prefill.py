@@ -75,8 +75,8 @@ class PrefillBackend(EngineFacts):
         self.jobs: dict[tuple[str, str], Ticket] = {}
         # Aborts that came before their prefill (the consumer's threads raced): when, by key.
         self.early_aborts: dict[tuple[str, str], float] = {}
-        # Aborted remote prefills whose step or export may still write (replaced whole:
-        # their routes read it), and how many a consumer asked to drop (/metrics).
+        # Aborted remote prefills whose step or export may still write (replaced whole on
+        # the engine loop's thread: their routes read it).
         self.settling: dict[str, Sequence] = {}
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._ids = itertools.count()
@@ -236,7 +236,8 @@ def add_prefill_routes(app: FastAPI, host: EngineHost, card: InstanceCard, *, ap
             backend.jobs.pop(key, None)
         answer = backend.answers.pop(ticket.request_id, None) if ticket.request_id else None
         if answer is None:
-            while ticket.request_id in backend.settling:  # aborted: the consumer frees its blocks on this answer
+            # Aborted: the consumer frees its blocks on this answer (a dead loop settles nothing more).
+            while ticket.request_id in backend.settling and host.loop.healthy:
                 await asyncio.sleep(SETTLE_POLL_S)
             answer = PrefillAnswer(error=event.error or f"ended: {event.finish_reason}")
         return Response(msgspec.json.encode(answer), media_type="application/json")
