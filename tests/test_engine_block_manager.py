@@ -73,6 +73,21 @@ def test_freed_cached_blocks_are_reused_until_evicted():
     assert bm.match_prefix(seq(list(range(8)) + [99], "d")) == 0
 
 
+def test_empty_blocks_go_before_any_cached_prefix_is_evicted():
+    """Freed in this order: a's partial tail, a's two cached blocks, b's partial block. A
+    two-block request takes the two empty ones; the least recently freed pair would have
+    been a's tail and a's second block, cutting a's cached prefix in half."""
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = computed(bm, seq(list(range(9)), "a"))  # blocks 0, 1 full (cached), 2 partial
+    b = computed(bm, seq([70, 71, 72], "b"))  # block 3, partial
+    bm.free(a)
+    bm.free(b)
+    c = computed(bm, seq([80 + i for i in range(6)], "c"))
+    assert sorted(c.block_table) == [2, 3]
+    bm.free(c)
+    assert bm.match_prefix(seq(list(range(8)) + [99], "d")) == 8
+
+
 def test_allocation_fails_without_side_effects_when_short():
     bm = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=False)
     s = seq(list(range(12)))

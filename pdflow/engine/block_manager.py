@@ -4,7 +4,10 @@ Every full block of computed tokens gets a chained hash (its tokens plus the has
 block before), so a hit means the whole prefix up to it matches. Hits are verified by
 comparing token ids, so a hash collision costs a miss, never wrong K/V. Blocks are
 reference counted; a freed block keeps its hash and stays reusable until the pool hands
-it out again (least recently freed first).
+it out again. The pool hands out empty blocks first (never filled, a partial tail, an
+evicted one) and evicts a cached one, least recently freed first, only when none is left:
+one LRU queue of both let a round of requests evict the prefixes its later requests were
+about to hit while empty blocks sat behind them (multi-turn traffic, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
-        # Free blocks in the order they were freed; cached ones stay findable by hash.
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks holding no cached prefix, and those that do (findable by hash), each
+        # in the order they were freed.
+        self.free_empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}
         # Prompt tokens served from the prefix cache so far (reported, tested).
         self.hit_tokens = 0
@@ -48,7 +53,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_empty) + len(self.free_cached)
 
     @property
     def usage(self) -> float:
@@ -99,7 +104,7 @@ class BlockManager:
         if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
-            block_id = next(iter(self.free_ids))
+            block_id = next(iter(self.free_empty or self.free_cached))
             self._evict(block_id)
             self._take(block_id)
             seq.block_table.append(block_id)
@@ -127,7 +132,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_ids[block_id] = None
+                holds_prefix = block.hash is not NO_HASH and self.cached.get(block.hash) == block_id
+                (self.free_cached if holds_prefix else self.free_empty)[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
@@ -135,7 +141,8 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_ids[block_id]
+            self.free_empty.pop(block_id, None)
+            self.free_cached.pop(block_id, None)
         block.ref_count += 1
 
     def _evict(self, block_id: int) -> None:
