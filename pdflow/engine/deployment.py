@@ -157,9 +157,8 @@ class Deployment(EngineFacts):
             self._queue.remove(req)
         elif request_id in self.consumer.awaiting_kv and self._up(PRODUCER):
             req.aborted = True
-            held = self.producer.scheduler.find(request_id)
-            self.producer.abort(request_id)  # a prompt not computed yet never is
-            if held is not None and held.holds_blocks:
+            held = self.producer.drop(request_id)  # a prompt not computed yet never is
+            if held is not None:
                 self._dropping[request_id] = held  # a step or its export may still write
                 return True
             self.consumer.fail_remote(request_id, "abort")

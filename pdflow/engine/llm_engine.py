@@ -125,6 +125,13 @@ class LLMEngine:
         self.detokenizer.forget(request_id)
         return True
 
+    def drop(self, request_id: str) -> Sequence | None:
+        """P/D producer: abort a consumer's request; its Sequence while a step or its export
+        may still write into the consumer's blocks (until ``holds_blocks`` is False), else None."""
+        seq = self.scheduler.find(request_id)
+        self.abort(request_id)
+        return seq if seq is not None and seq.holds_blocks else None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight) or self._unsettled > 0
 

@@ -98,11 +98,9 @@ class PrefillBackend(EngineFacts):
     def abort(self, request_id: str) -> bool:
         if self.remote.pop(request_id, None) is None:
             return self.engine.abort(request_id)
-        seq = self.engine.scheduler.find(request_id)
-        aborted = self.engine.abort(request_id)
-        if seq is not None and seq.holds_blocks:  # answered once this is False (``step``)
-            self.settling = {**self.settling, request_id: seq}
-        return aborted
+        if (held := self.engine.drop(request_id)) is not None:  # answered once it settled (``step``)
+            self.settling = {**self.settling, request_id: held}
+        return True
 
     def step(self) -> list[TokenOutput]:
         self._let_go()
