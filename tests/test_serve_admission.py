@@ -79,3 +79,33 @@ def test_the_engine_core_leaves_the_api_fronts_their_cores():
     assert compose(["serve.core_threads=3"]).serve.core_threads_on(2) == 3
     with pytest.raises(ConfigError, match="core_threads"):
         compose(["serve.core_threads=-1"])
+
+
+def test_a_separately_served_instance_takes_the_engine_cores_thread_count():
+    """``role=prefill|decode`` step their engine on a thread beside their API thread, so they
+    leave it a core as the engine core does (issue 33: a decode instance's local prefill
+    took twice its CPU time in wall time with both cores given to torch)."""
+    import torch
+
+    from pdflow import compose
+    from pdflow.serve.engine_threads import set_engine_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_engine_threads(compose(["serve.role=decode"]).serve, cores=2) == 1
+        assert torch.get_num_threads() == 1
+        assert set_engine_threads(compose(["serve.core_threads=2"]).serve, cores=2) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_api_key_check_runs_on_the_event_loop():
+    """A plain-function dependency would run on FastAPI's thread pool: a thread hand-off on
+    every request of the instances and the router."""
+    import inspect
+
+    from pdflow.serve.api import bearer_guard
+
+    assert inspect.iscoroutinefunction(bearer_guard("key"))
+    assert inspect.iscoroutinefunction(bearer_guard(None))

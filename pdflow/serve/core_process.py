@@ -34,6 +34,7 @@ from pdflow.serve.core_wire import (
     encode,
     to_delta,
 )
+from pdflow.serve.engine_threads import set_engine_threads
 from pdflow.serve.reuse_metrics import ReuseCollector
 from pdflow.serve.serving_core import ServingCore, StreamEvent, Ticket
 
@@ -145,9 +146,7 @@ def core_main(spec, address: str, parent_pid: int) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(address)
-    import torch
-
-    torch.set_num_threads(spec.serve.core_threads_on(os.cpu_count() or 1))
+    set_engine_threads(spec.serve)
     deployment = Deployment(spec)
     for engine in (deployment.producer, deployment.consumer):
         if engine is not None:

@@ -25,11 +25,13 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
     from pdflow.engine.llm_engine import LLMEngine
     from pdflow.serve.admission import policy_of
     from pdflow.serve.api import EngineHost, create_app
+    from pdflow.serve.engine_threads import set_engine_threads
 
     role = spec.serve.role
     if spec.mode != "pd":
         raise ConfigError(f"serve.role={role} serves one side of a P/D run graph, but mode={spec.mode}; "
                           "use mode=pd (or serve.role=deployment for a monolithic instance)")
+    set_engine_threads(spec.serve)  # the engine loop's step shares the host with this process's API thread
     engine = LLMEngine(Instance(spec, role))  # serve.role names the graph's side: prefill or decode
     stack.callback(engine.shutdown)  # also when the backend below fails to start
     print_ = fingerprint(spec)
