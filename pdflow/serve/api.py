@@ -66,9 +66,11 @@ class EngineHost:
 
 
 def bearer_guard(api_key: str | None):
-    """A dependency refusing requests without ``Authorization: Bearer <api_key>``."""
+    """A dependency refusing requests without ``Authorization: Bearer <api_key>``. A
+    coroutine: FastAPI runs a plain function dependency on its thread pool, a thread
+    hand-off on every request of every route (the router's and the instance's both)."""
 
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
