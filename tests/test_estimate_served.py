@@ -44,6 +44,9 @@ class TimedBackend:
         self.running[str(self.ids)] = [0, sampling.max_tokens]
         return str(self.ids)
 
+    def wake(self):
+        pass
+
     def step(self):
         if not self.running:
             return []

@@ -71,6 +71,9 @@ class ScriptedBackend:
                 del self.running[rid]
         return out
 
+    def wake(self):
+        pass
+
     def draft_stats(self, request_id):
         return DraftStats(drafted=8, accepted=6, verify_steps=2) if self.draft else None
 
@@ -135,6 +138,79 @@ def test_abort_before_admission_never_reaches_the_backend():
     loop.stop()
     assert ticket.request_id is None and backend.ids == 0 and done.is_set()
 
+
+
+class AwaitingBackend(ScriptedBackend):
+    """A request with a route waits for work elsewhere (a remote prefill's answer): while
+    only such requests are in, ``step`` waits for it, as ``DecodeBackend`` does, here for
+    ``WAIT_S`` unless woken (a real one waits a few ms)."""
+
+    WAIT_S = 120.0
+
+    def __init__(self):
+        super().__init__()
+        self.parked: set[str] = set()
+        self.woken, self.waiting, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def add(self, prompt_token_ids, sampling, *, route=None):
+        rid = super().add(prompt_token_ids, sampling, route=route)
+        if route is not None:
+            self.parked.add(rid)
+        return rid
+
+    def wake(self):
+        self.woken.set()
+
+    def step(self):
+        if self.release.is_set():
+            self.parked.clear()
+        if self.running and set(self.running) <= self.parked:
+            self.waiting.set()
+            self.woken.wait(self.WAIT_S)
+            self.woken.clear()
+            return []
+        parked = {rid: self.running.pop(rid) for rid in self.parked if rid in self.running}
+        try:
+            return super().step()
+        finally:
+            self.running.update(parked)
+
+
+def test_a_request_that_comes_while_the_backend_waits_on_other_work_is_admitted_at_once():
+    """The loop steps a backend that may wait inside ``step`` for work it expects (a decode
+    instance for a producer's answer): a request submitted meanwhile wakes it, rather than
+    waiting out the wait behind a request parked elsewhere (issue 33: a locally prefilled
+    turn held back by another's exchange)."""
+    from pdflow.serve.pd_wire import PDRoute
+
+    backend = AwaitingBackend()
+    loop = EngineLoop(backend).start()
+
+    async def main():
+        parked = asyncio.ensure_future(_collect_routed(loop, PDRoute(prefill_at="http://127.0.0.1:9")))
+        while not backend.waiting.is_set():  # the loop is inside step, waiting for the parked one
+            await asyncio.sleep(0.01)
+        _, events = await asyncio.wait_for(_collect(loop, [1, 2], 2), timeout=60)
+        backend.release.set()
+        backend.wake()
+        return events, await asyncio.wait_for(parked, timeout=60)
+
+    try:
+        events, parked = asyncio.run(main())
+    finally:
+        backend.release.set()
+        backend.wake()
+        loop.stop()
+    assert [e.token_ids[0] for e in events] == [10, 11] and events[-1].finish_reason == "length"
+    assert parked[-1].finish_reason == "length"
+
+
+async def _collect_routed(loop: EngineLoop, route):
+    _, events = loop.open_stream([1], SamplingParams(max_tokens=1), route=route)
+    got = [await events.get()]
+    while not got[-1].done:
+        got.append(await events.get())
+    return got
 
 @pytest.fixture
 def scripted_server():

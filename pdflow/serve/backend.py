@@ -86,7 +86,12 @@ class ServingBackend(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def step(self) -> list[TokenOutput]:
-        """Advance the engine; the tokens produced (possibly none). Cheap when idle."""
+        """Advance the engine; the tokens produced (possibly none). Cheap when idle: it may
+        wait a few ms for work it expects (a remote prefill's answer), cut short by ``wake``."""
+
+    def wake(self) -> None:
+        """A command (a request, an abort) is waiting for the loop: end any wait inside
+        ``step`` now. Called from any thread."""
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         """Counts for a request that just finished, or None without a drafter."""
@@ -149,6 +154,9 @@ class LLMBackend:
 
     def step(self) -> list[TokenOutput]:
         return self._draft_counts.keep(self.llm.step())
+
+    def wake(self) -> None:
+        """Its ``step`` never waits for anything but the step it runs."""
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         """The finished request's drafted/accepted counts (None: it never verified drafts)."""

@@ -59,6 +59,7 @@ class EngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._inbox.put(None)
+        self.core.backend.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -72,12 +73,14 @@ class EngineLoop:
 
     def submit(self, ticket: Ticket) -> None:
         self._inbox.put(("submit", ticket))
+        self.core.backend.wake()  # a step waiting on the backend's own work would hold it back
         if not self._thread.is_alive() and (self.error is not None or self._stop.is_set()):
             self._fail_inbox()  # nobody will take it: answer now rather than never
 
     def abort(self, ticket: Ticket) -> None:
         ticket.cancelled = True
         self._inbox.put(("abort", ticket))
+        self.core.backend.wake()
 
     def open_stream(
         self, prompt_token_ids: list[int], sampling: SamplingParams, *,

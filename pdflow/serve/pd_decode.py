@@ -75,7 +75,8 @@ class DecodeBackend(EngineFacts):
         self.waiting: deque[tuple[str, list[int], SamplingParams, str]] = deque()
         self.aborted: set[str] = set()
         self.producer_of: dict[str, str] = {}  # exchanges under way: the producer URL
-        self.results: queue.SimpleQueue[tuple[str, PrefillAnswer]] = queue.SimpleQueue()
+        # Exchanges answered; None: ``wake`` (a command is waiting for the loop).
+        self.results: queue.SimpleQueue[tuple[str, PrefillAnswer] | None] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
         self.pairings: dict[str, int] = {}  # POST /pdflow/pair answered, per producer URL (/metrics)
@@ -122,6 +123,9 @@ class DecodeBackend(EngineFacts):
         if self.engine.has_unfinished():
             outputs += self._draft_counts.keep(self.engine.step())
         return outputs
+
+    def wake(self) -> None:
+        self.results.put(None)
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         return self._draft_counts.pop(request_id)
@@ -189,18 +193,23 @@ class DecodeBackend(EngineFacts):
 
     def _take_results(self, *, wait: bool) -> list[TokenOutput]:
         """Settle every exchange answered so far (waiting ``IDLE_WAIT_S`` for the first when
-        ``wait``)."""
+        ``wait``, or until ``wake``: a request that came meanwhile is admitted at once, not
+        after the wait)."""
         outputs = []
         try:
-            rid, answer = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
+            item = self.results.get(timeout=IDLE_WAIT_S) if wait else self.results.get_nowait()
             while True:
+                if item is None:  # woken
+                    item = self.results.get_nowait()
+                    continue
+                rid, answer = item
                 aborted = rid in self.aborted
                 self.aborted.discard(rid)
                 self.producer_of.pop(rid, None)
                 settled = settle_remote(self.engine, rid, answer.first, answer.error, aborted=aborted)
                 if not aborted:  # an aborted one has ended already (its abort answered)
                     outputs.append(settled)
-                rid, answer = self.results.get_nowait()
+                item = self.results.get_nowait()
         except queue.Empty:
             return outputs
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import threading
 import time
 
 import msgspec
@@ -81,6 +82,7 @@ class PrefillBackend(EngineFacts):
         self.prefills = 0  # remote prefills whose KV landed (reported by /pdflow/instance)
         self._ids = itertools.count()
         self._draft_counts = DraftCounts()
+        self._woken = threading.Event()
 
     # -- ServingBackend (the rest: EngineFacts) ----------------------------------------
 
@@ -112,10 +114,10 @@ class PrefillBackend(EngineFacts):
             busy = self.engine.submit()
             fresh = self._draft_counts.keep(self.engine.collect(wait=False))
             if not busy and not fresh:
-                time.sleep(IDLE_SLEEP_S)
+                self._idle()
             stepped += fresh
         elif not stepped:
-            time.sleep(IDLE_SLEEP_S)  # waiting for nothing but the next command
+            self._idle()  # waiting for nothing but the next command
         if self.settling:
             self.settling = {rid: seq for rid, seq in self.settling.items() if seq.holds_blocks}
         for out in stepped:
@@ -128,6 +130,15 @@ class PrefillBackend(EngineFacts):
                 if failed:  # a dead consumer's peers go; a live one pairs again on its next prefill
                     self.paired.discard(consumer)
         return stepped
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def _idle(self) -> None:
+        """Wait ``IDLE_SLEEP_S`` for an export to settle, or until ``wake``: a command that
+        came meanwhile (a prefill, an abort) is taken at once."""
+        self._woken.wait(IDLE_SLEEP_S)
+        self._woken.clear()  # a wake after the wait ended: the loop takes its commands next anyway
 
     def draft_stats(self, request_id: str) -> DraftStats | None:
         return self._draft_counts.pop(request_id)
