@@ -132,3 +132,22 @@ def test_the_router_releases_each_request_it_counted_streamed_or_not():
             r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
             got.append(r.text.split('"backend": "')[1][0] if i == 0 else r.json()["backend"])
     assert got == ["a", "b", "a", "b"]
+
+
+def test_the_free_block_poll_reads_an_instances_gauges_as_the_exposition_parser_does():
+    """The router reads two gauges off each instance's /metrics twice a second: by their
+    lines, not by parsing every sample (a tenth of the router's CPU); the same fraction."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdflow.serve.metrics import ServeMetrics
+    from pdflow.serve.router_policy import free_fraction
+
+    backend = SimpleNamespace(num_kv_blocks=1169, num_free_kv_blocks=301, startup_s=1.0, compile_s=0.5)
+    text = ServeMetrics(backend).render().decode()
+    parsed = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert free_fraction(text) == parsed["pdflow_kv_blocks_free"] / parsed["pdflow_kv_blocks_total"] == 301 / 1169
+    assert free_fraction("pdflow_kv_blocks_total 8.0 1700000000\npdflow_kv_blocks_free_x 1\n") == 0.0
+    assert free_fraction("# no gauges\nother 1\n") is None
+    assert free_fraction("pdflow_kv_blocks_total 0\npdflow_kv_blocks_free 0\n") is None

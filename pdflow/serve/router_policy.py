@@ -17,14 +17,13 @@ idle router with no history behaves like ``round_robin``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdflow.spec.router import RouterSpec
 
@@ -187,6 +186,23 @@ class Chooser:
         return order[0]
 
 
+FREE_GAUGE, TOTAL_GAUGE = "pdflow_kv_blocks_free", "pdflow_kv_blocks_total"
+
+
+def free_fraction(metrics_text: str) -> float | None:
+    """An instance's free KV-block fraction from its ``/metrics`` text (None without a
+    positive ``pdflow_kv_blocks_total``). The two unlabelled gauges are read off their own
+    lines: the router polls every instance twice a second on its event loop, and parsing
+    all ~200 samples of each with the exposition parser was a tenth of its CPU."""
+    values = {}
+    for line in metrics_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in (FREE_GAUGE, TOTAL_GAUGE):
+            values[name] = float(rest.split()[0])  # a timestamp may follow the value
+    total = values.get(TOTAL_GAUGE)
+    return values.get(FREE_GAUGE, 0.0) / total if total else None
+
+
 async def poll_free(chooser: Chooser, client, *, every_s: float = 0.5, headers: dict | None = None) -> None:
     """Keep ``chooser.free`` current from each instance's ``pdflow_kv_blocks_free`` /
     ``pdflow_kv_blocks_total`` (runs until cancelled; an instance that does not answer
@@ -198,10 +214,10 @@ async def poll_free(chooser: Chooser, client, *, every_s: float = 0.5, headers: 
             return
         if r.status_code != 200:
             return
-        values = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples
-                  if s.name in ("pdflow_kv_blocks_free", "pdflow_kv_blocks_total")}
-        if values.get("pdflow_kv_blocks_total"):
-            chooser.set_free(backend, values.get("pdflow_kv_blocks_free", 0.0) / values["pdflow_kv_blocks_total"])
+        with contextlib.suppress(ValueError, IndexError):  # not a pdflow instance's gauges
+            fraction = free_fraction(r.text)
+            if fraction is not None:
+                chooser.set_free(backend, fraction)
 
     while True:
         await asyncio.gather(*(one(b) for b in chooser.free))
