@@ -249,17 +249,19 @@ class DecodeTiles:
 
 
 def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int, cuda: bool,
-                 block_n: int | None = None, v_pages: bool = True) -> DecodeTiles:
+                 block_n: int | None = None, v_pages: bool = True, head_dim: int = 128) -> DecodeTiles:
     """The default tile, warps and stages of a launch (``block_n`` given: the rest for it).
     fp8: half the bytes per tile, so twice the tokens (1.3x on the H200). A 16-bit DSpark
     block (32 rows at K=8 x GQA 4): 128-token tiles halve the loop's softmax and rescale
     steps per byte, 1.36x the 64-token tile on the H200 (1.06-1.09x a decode step,
-    bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages. Four warps and four stages
+    bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages. A 16-bit cache at head
+    dim 64: half the bytes per token, so twice the tokens, as fp8 (2K context: 0.91-0.93x
+    a same-traffic copy at 64 tokens, 0.97-0.99x at 128, in CUDA graphs on the H200). Four warps and four stages
     were fastest on the H200 at B64 x 8 heads (bn64, one split); an fp8 decode over pages
     shorter than the tile reads V a page at a time, with two warps and two stages (page 16:
     1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48)."""
     if block_n is None:
-        wide = quant or (nx > 0 and itemsize <= 2)
+        wide = quant or (itemsize <= 2 and (nx > 0 or head_dim <= 64))
         block_n = (128 if wide else 64) if block_m <= 64 else 32
     v_pages = v_pages and quant and page < block_n  # False: V as one [tokens, D] tile (A/B)
     narrow = v_pages and nx == 0
@@ -291,7 +293,7 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(d))
     nx = 0 if k_extra is None else k_extra.shape[1]
     tiles = decode_tiles(quant=quant, page=page, block_m=block_m, nx=nx, itemsize=q.element_size(),
-                         cuda=q.is_cuda, block_n=block_n, v_pages=v_pages)
+                         cuda=q.is_cuda, block_n=block_n, v_pages=v_pages, head_dim=d)
     block_n = tiles.block_n
     num_warps = tiles.num_warps if num_warps is None else num_warps
     num_stages = tiles.num_stages if num_stages is None else num_stages

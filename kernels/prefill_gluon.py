@@ -9,11 +9,13 @@ matmul. Gluon writes the schedule by hand:
   so a K buffer refills as soon as its QK^T is done (the largest single gain measured);
 - two consumer warpgroups (the default partition and one worker) each own 64 of the
   tile's 128 query rows (one query head; GQA reuse of K/V comes from L2, as FA3 does);
+  at head dim 64, three own 192 rows (FA3's d64 tile): a K/V tile's wgmmas are half as
+  long there, so a third warpgroup keeps the tensor cores fed while two run softmax;
 - inside a warpgroup, FA3's intra-warpgroup overlap: issue S(j+1) = Q K(j+1)^T and
   O += P(j) V(j) back to back, wait only for S(j+1), run its softmax while the PV wgmma
   runs, then wait for O and rescale it. FA3's ping-pong between the two warpgroups
-  and a persistent grid are knobs, off by default: neither is faster on the H200
-  (bench/KERNEL_NOTES.md).
+  and a persistent grid are knobs, off by default (neither is faster on the H200 at d128,
+  bench/KERNEL_NOTES.md); ping-pong is on for short d64 prompts (``default_schedule``).
 
 K/V come from the cache viewed as rows ``[num_blocks * pages_per_block * H_kv * page, D]``:
 a 128-token tile is one TMA box at page 128, and 128 / page boxes (one per page, H_kv
@@ -50,7 +52,8 @@ from .fast_launch import FastLaunch
 
 __all__ = ["gluon_available", "gluon_applies", "prefill_attention_gluon"]
 
-BLOCK_M = 128  # query rows per program: two warpgroups of 64
+ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (one wgmma M)
+BLOCK_M = 128  # query rows per program at the default two consumer warpgroups
 BLOCK_N = 128  # keys per K/V tile
 STAGES = 2
 PINGPONG = False
@@ -68,8 +71,8 @@ if gluon is not None:
         """The program's mbarriers, each its own allocation: Triton's shared-memory hazard
         analysis then sees that an arrive on one and a wait on another do not conflict."""
         q_ready: gl.shared_memory_descriptor
-        q_empty: gl.shared_memory_descriptor  # both warpgroups are done with Q (count 2)
-        fix: gl.shared_memory_descriptor  # both halves of a V tail are zeroed (count 2)
+        q_empty: gl.shared_memory_descriptor  # every consumer warpgroup is done with Q
+        fix: gl.shared_memory_descriptor  # every warpgroup's part of a V tail is zeroed
         turn0: gl.shared_memory_descriptor  # warpgroup 0 may issue its wgmmas
         turn1: gl.shared_memory_descriptor
         k_ready: gl.shared_memory_descriptor  # [stages, 1] each
@@ -91,7 +94,7 @@ if gluon is not None:
             self.v_empty = v_empty
 
     @gluon.jit
-    def _barriers(NS: gl.constexpr):
+    def _barriers(NS: gl.constexpr, NC: gl.constexpr):
         lay: gl.constexpr = mbarrier.MBarrierLayout()
         one = gl.allocate_shared_memory(gl.int64, [1], lay)
         mbarrier.init(one, count=1)
@@ -103,15 +106,15 @@ if gluon is not None:
                          gl.allocate_shared_memory(gl.int64, [NS, 1], lay),
                          gl.allocate_shared_memory(gl.int64, [NS, 1], lay),
                          gl.allocate_shared_memory(gl.int64, [NS, 1], lay))
-        mbarrier.init(bars.q_empty, count=2)
-        mbarrier.init(bars.fix, count=2)
+        mbarrier.init(bars.q_empty, count=NC)
+        mbarrier.init(bars.fix, count=NC)
         mbarrier.init(bars.turn0, count=1)
         mbarrier.init(bars.turn1, count=1)
         for i in gl.static_range(NS):
             mbarrier.init(bars.k_ready.index(i), count=1)
             mbarrier.init(bars.v_ready.index(i), count=1)
-            mbarrier.init(bars.k_empty.index(i), count=2)  # one arrival per warpgroup
-            mbarrier.init(bars.v_empty.index(i), count=2)
+            mbarrier.init(bars.k_empty.index(i), count=NC)  # one arrival per warpgroup
+            mbarrier.init(bars.v_empty.index(i), count=NC)
         fence_async_shared()
         return bars
 
@@ -129,7 +132,9 @@ if gluon is not None:
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt, cu_ptr,
                 lens_ptr, n_bh, n_m, n_work, nprog, H_Q: gl.constexpr, H_KV: gl.constexpr,
                 PAGE: gl.constexpr, PPB: gl.constexpr):
-        BM: gl.constexpr = q_smem.shape[0]
+        NC: gl.constexpr = q_smem.shape[0]  # consumer warpgroups, one Q box of 64 rows each
+        R: gl.constexpr = q_smem.shape[1]
+        BM: gl.constexpr = NC * R
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         NS: gl.constexpr = k_smem.shape[0]
@@ -142,9 +147,10 @@ if gluon is not None:
                 tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q, BM, BN)
             if n_tiles > 0:
                 mbarrier.wait(bars.q_empty, (n_done & 1) ^ 1)
-                mbarrier.expect(bars.q_ready, q_desc.block_type.nbytes)
-                _tma_load(q_desc, [q_start + mt * BM, h * D],
-                                                bars.q_ready, q_smem)
+                mbarrier.expect(bars.q_ready, NC * q_desc.block_type.nbytes)
+                for i in gl.static_range(NC):
+                    _tma_load(q_desc, [q_start + mt * BM + i * R, h * D], bars.q_ready,
+                              q_smem.index(i))
                 kvh = h // (H_Q // H_KV)
                 bt_row = bt_ptr + b.to(gl.int64) * s_bt
                 for j in range(n_tiles):
@@ -183,15 +189,17 @@ if gluon is not None:
         return p.to(gl.bfloat16), m_new, l_i, alpha
 
     @gluon.jit
-    def _zero_tail(v_tile, fix_bar, phase, n0, ctx, half: gl.constexpr, HALF: gl.constexpr):
-        """Zero the V rows at or past ``ctx`` of this warpgroup's half of the tile, in
-        place; both halves meet at ``fix_bar`` (count 2) before either PV wgmma reads it."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = half * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
-        part = v_tile.slice(half * HALF, HALF)
-        v = part.load(blk)
-        part.store(gl.where(gl.expand_dims(n0 + rows < ctx, 1), v, gl.zeros_like(v)))
-        fence_async_shared()
+    def _zero_tail(v_tile, fix_bar, phase, n0, ctx, half: gl.constexpr, SHARE: gl.constexpr):
+        """Zero the V rows at or past ``ctx`` of this warpgroup's ``SHARE`` rows of the tile
+        (the first two warpgroups split it; a third only meets them), in place; the
+        warpgroups meet at ``fix_bar`` before any PV wgmma reads it."""
+        if half * SHARE < v_tile.shape[0]:
+            blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            rows = half * SHARE + gl.arange(0, SHARE, layout=gl.SliceLayout(1, blk))
+            part = v_tile.slice(half * SHARE, SHARE)
+            v = part.load(blk)
+            part.store(gl.where(gl.expand_dims(n0 + rows < ctx, 1), v, gl.zeros_like(v)))
+            fence_async_shared()
         mbarrier.arrive(fix_bar, count=1)
         mbarrier.wait(fix_bar, phase)
 
@@ -215,7 +223,7 @@ if gluon is not None:
     @gluon.jit
     def _attend(q, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, q_start, q_len, base, mt, h, ctx,
                 n_full, n_tiles, scale_log2, it, turn, n_fix, n_done, half: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                PINGPONG: gl.constexpr, BM: gl.constexpr):
         """This warpgroup's 64 rows of one work item; ``it``/``turn``/``n_fix``: ring,
         turn and tail-fix counters so far. Returns the counters after this item."""
         HALF: gl.constexpr = q.shape[0]
@@ -228,7 +236,7 @@ if gluon is not None:
                                                       instr_shape=[16, D, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-        t0 = mt * (2 * HALF) + half * HALF
+        t0 = mt * BM + half * HALF
         qpos = base + t0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_l))
         m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_l))
@@ -276,7 +284,7 @@ if gluon is not None:
         mbarrier.wait(bars.v_ready.index(cur), ((it + last) // NS) & 1)
         if last * BN + BN > ctx:  # the context ends inside this tile: zero V's tail
             _zero_tail(v_smem.index(cur), bars.fix, n_fix & 1, last * BN, ctx, half,
-                       HALF)
+                       BN // 2)
             n_fix += 1
         _my_turn(bars, turn + n_tiles, half, PINGPONG)
         o_tok = warpgroup_mma(gl.convert_layout(p, p_l), v_smem.index(cur), acc, is_async=True)
@@ -296,9 +304,9 @@ if gluon is not None:
     def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr, n_bh, n_m,
                   n_work, nprog, scale_log2, half: gl.constexpr, H_Q: gl.constexpr,
                   PINGPONG: gl.constexpr):
-        BM: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = q_smem.shape[0] * q_smem.shape[1]
         BN: gl.constexpr = k_smem.shape[1]
-        q = q_smem.slice(half * (BM // 2), BM // 2)
+        q = q_smem.index(half)
         it = 0
         turn = 0
         n_fix = 0
@@ -309,7 +317,7 @@ if gluon is not None:
             if n_tiles > 0:
                 it, turn, n_fix = _attend(q, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, q_start,
                                           q_len, base, mt, h, ctx, n_full, n_tiles, scale_log2,
-                                          it, turn, n_fix, n_done, half, PINGPONG)
+                                          it, turn, n_fix, n_done, half, PINGPONG, BM)
                 n_done += 1
 
     @gluon.jit
@@ -317,32 +325,64 @@ if gluon is not None:
                               scale_log2, n_bh, n_m, n_work, nprog, s_ot, s_oh, s_bt,
                               H_Q: gl.constexpr, H_KV: gl.constexpr, D: gl.constexpr,
                               PAGE: gl.constexpr, PPB: gl.constexpr, BM: gl.constexpr,
-                              BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr):
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+                              BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr,
+                              NC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        R: gl.constexpr = q_desc.block_type.shape[0]  # a consumer warpgroup's query rows
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NC, R, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
-        bars = _barriers(NS)
-
-
-        gl.warp_specialize(
-            [
-                (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                             n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q,
-                             PINGPONG)),  # rows 0-63 of the tile
-                (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                             n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q,
-                             PINGPONG)),  # rows 64-127
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
-                           cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
-            ],
-            worker_num_warps=[4, 1],
-            worker_num_regs=[240, 24],
-        )
+        bars = _barriers(NS, NC)
+        if NC == 2:
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
+                                 n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q,
+                                 PINGPONG)),  # rows 0-63 of the tile
+                    (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
+                                 n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q,
+                                 PINGPONG)),  # rows 64-127
+                    (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
+                               cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
+                ],
+                worker_num_warps=[4, 1],
+                worker_num_regs=[CONSUMER_REGS, 24],
+            )
+        else:  # three consumer warpgroups (head dim 64), no ping-pong
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
+                                 n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q, False)),
+                    (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
+                                 n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q, False)),
+                    (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
+                                 n_bh, n_m, n_work, nprog, scale_log2, 2, H_Q, False)),
+                    (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
+                               cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
+                ],
+                worker_num_warps=[4, 4, 1],
+                worker_num_regs=[CONSUMER_REGS, CONSUMER_REGS, 24],
+            )
 
 
 @functools.lru_cache(maxsize=16)
 def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
+
+
+# Registers a consumer warpgroup's thread asks for (setmaxnreg): two consumers and a 1-warp
+# loader fit 240; three fit 160 (FA3's split for three MMA warpgroups).
+CONSUMER_REGS = {2: 240, 3: 160}
+D64_LONG = 4096  # head dim 64: prompts from this many tokens take three warpgroups
+
+
+def default_schedule(d: int, max_seqlen_q: int) -> tuple[int, bool]:
+    """(consumer warpgroups, ping-pong) for a launch. Head dim 64, in CUDA graphs on the
+    H200 against SDPA causal: three warpgroups (192 rows) 1.01-1.02x at 8K and 1.03-1.04x
+    at 32K tokens against two's 0.95-0.98x, but 0.94-0.96x at 2K, where two with ping-pong
+    give 1.03-1.04x (bench/RESULTS.md); the crossover between 2K and 8K is not measured."""
+    if d <= 64:
+        return (3, False) if max_seqlen_q >= D64_LONG else (2, True)
+    return 2, PINGPONG
 
 
 def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -360,15 +400,16 @@ def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 
 
 @functools.lru_cache(maxsize=8)
-def _smem_layout(d: int):
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], gl.bfloat16)  # BLOCK_M == BLOCK_N
+def _smem_layout(rows: int, d: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
 
 
 def _descriptors(q, k_cache, v_cache):
     t, h_q, d = q.shape
     nb, ppb, h_kv, page, _ = k_cache.shape
-    lay = _smem_layout(d)
-    q_desc = GluonDescriptor(q, [t, h_q * d], [q.stride(0), 1], [BLOCK_M, d], lay)
+    lay = _smem_layout(BLOCK_N, d)
+    rows = ROWS_PER_CONSUMER  # one Q box per consumer warpgroup (a 192-row box is no power of 2)
+    q_desc = GluonDescriptor(q, [t, h_q * d], [q.stride(0), 1], [rows, d], _smem_layout(rows, d))
     rows = [nb * ppb * h_kv * page, d]
     box = [min(page, BLOCK_N), d]  # a tile's share of one page; 16 rows keep the swizzle's 8-row atom whole
     k_desc = GluonDescriptor(k_cache, rows, [d, 1], box, lay)
@@ -381,12 +422,13 @@ _launch = FastLaunch(_prefill_gluon_kernel) if gluon is not None else None
 
 
 def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                            *, max_seqlen_q=None, out=None, stages=STAGES, pingpong=PINGPONG,
-                            persistent=PERSISTENT, checked=False):
+                            *, max_seqlen_q=None, out=None, stages=STAGES, pingpong=None,
+                            persistent=PERSISTENT, consumers=None, checked=False):
     """Same contract as ``prefill_attention``; needs ``gluon_applies(q, k_cache, v_cache)``
     (``checked``: the caller just asked it). ``persistent``: one program per SM walks the
     work items (heaviest first) round robin, so a program's next Q and K/V load while it
-    stores the last output."""
+    stores the last output. ``consumers``: warpgroups of 64 query rows a program (2 or 3);
+    it and ``pingpong`` default to ``default_schedule`` (two with ``pingpong=True``)."""
     if not checked and not gluon_applies(q, k_cache, v_cache):
         raise ValueError("prefill_attention_gluon: needs Hopper, bf16, d64/d128, 128-token tiles of pages "
                          "(check gluon_applies first)")
@@ -398,13 +440,22 @@ def prefill_attention_gluon(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         out = torch.empty_like(q)
     if t == 0 or bsz == 0:
         return out
-    n_m = triton.cdiv(max_seqlen_q, BLOCK_M)
+    usual, usual_pingpong = default_schedule(d, max_seqlen_q)
+    if consumers is None:  # ping-pong asked for: two warpgroups (it alternates a pair)
+        consumers = 2 if pingpong else usual
+    pingpong = (usual_pingpong and consumers == 2) if pingpong is None else pingpong
+    if consumers not in (2, 3) or (pingpong and consumers != 2):
+        raise ValueError(f"prefill_attention_gluon: consumers={consumers} (pingpong={pingpong}): "
+                         "2 or 3 warpgroups, ping-pong only with 2")
+    block_m = ROWS_PER_CONSUMER * consumers
+    n_m = triton.cdiv(max_seqlen_q, block_m)
     n_work = n_m * bsz * h_q
     nprog = min(n_work, sm_count(q.device, cpu=132)) if persistent else n_work
     q_desc, k_desc, v_desc = _descriptors(q, k_cache, v_cache)
     _launch(q.device.index, (nprog,), (
         q_desc, k_desc, v_desc, cu_seqlens_q, context_lens, block_tables, out,
         scale * LOG2E, bsz * h_q, n_m, n_work, nprog, out.stride(0), out.stride(1),
-        block_tables.stride(0), h_q, h_kv, d, page, ppb, BLOCK_M, BLOCK_N, stages, bool(pingpong),
+        block_tables.stride(0), h_q, h_kv, d, page, ppb, block_m, BLOCK_N, stages, bool(pingpong),
+        consumers, CONSUMER_REGS[consumers],
     ), {"num_warps": 4})
     return out

@@ -20,6 +20,7 @@ kernels as ``pdflow.kernels`` installed or, without an install, in this checkout
     python scripts/bench_kernels.py --fp8-kv --out bench/results/h200-fp8   # fp8 KV, ~1-2 min
     python scripts/bench_kernels.py --goals --out DIR   # block/decode-2K/KV-write sweeps, ~4 min
     python scripts/bench_kernels.py --no-sweep --head-dim 64 --out DIR  # every case at d64
+    python scripts/bench_kernels.py --no-sweep --graph --out DIR  # every row in CUDA graphs
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def parse_args(argv=None):
                          "(kernel_bench/goal_sweep.py), skipping prefill")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
                     help="head_dim of every case (32 query / 8 KV heads; the dry run halves it)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time every row in CUDA graphs (do_bench_cudagraph), as the engine replays "
+                         "its steps: no launcher host time in a ~0.1 ms kernel's window; copies "
+                         "are SM copies (a captured copy_ is a copy-engine memcpy node)")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting new timings after this many seconds")
     return ap.parse_args(argv)
@@ -63,6 +68,7 @@ class Run:
         self.args, self.t0, self.rows, self.checks = args, time.time(), [], []
         self.dev = "cpu" if args.dry_run else "cuda"
         self.tiny = args.dry_run
+        self.graph = args.graph and not args.dry_run  # every timing replayed in CUDA graphs
         self.copy_tbs = None
         self.same_copy_ms = {}  # (total bytes moved, in a graph) -> ms (benchmarks.same_traffic_copy_ms)
         self.info = None
@@ -83,6 +89,8 @@ class Run:
             return (time.perf_counter() - t) * 1e3
         import triton.testing
 
+        if self.graph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
     def add(self, kernel, shape, ms, *, nbytes=None, flops=None, baseline=None, note=""):

@@ -30,8 +30,10 @@ def _inputs(lens, qlens, h_q, h_kv, seed=0, d=128, page=128, ppb=1):
     ([2049, 640], [2049, 8], 16, 2, 128),           # GQA 8, 8-token verify rows after a prefix
     ([1, 130, 4000], [1, 2, 1500], 8, 4, 128),      # 1-token context, chunked prefill
     ([700, 333], [700, 20], 8, 4, 64),              # the shipped model's heads (d64)
+    ([4200, 300], [4200, 44], 8, 4, 64),            # d64 from 4096 tokens: three warpgroups
 ])
-@pytest.mark.parametrize("knobs", [{}, dict(persistent=True), dict(stages=3, pingpong=True)])
+@pytest.mark.parametrize("knobs", [{}, dict(persistent=True), dict(stages=3, pingpong=True),
+                                   dict(consumers=3), dict(consumers=3, persistent=True)])
 def test_matches_reference(lens, qlens, h_q, h_kv, d, knobs):
     args = _inputs(lens, qlens, h_q, h_kv, d=d)
     assert PG.gluon_applies(*args[:3])
@@ -43,18 +45,20 @@ def test_matches_reference(lens, qlens, h_q, h_kv, d, knobs):
 
 
 @pytest.mark.parametrize("page,ppb", [(16, 8), (32, 4), (64, 2), (16, 16)])
-@pytest.mark.parametrize("lens,qlens,h_q,h_kv,d", [
-    ([1000, 300, 129], [1000, 44, 1], 32, 8, 128),
-    ([2049, 640], [2049, 8], 16, 2, 128),
-    ([700, 333], [700, 20], 8, 4, 64),
+@pytest.mark.parametrize("lens,qlens,h_q,h_kv,d,consumers", [
+    ([1000, 300, 129], [1000, 44, 1], 32, 8, 128, 2),
+    ([2049, 640], [2049, 8], 16, 2, 128, 2),
+    ([700, 333], [700, 20], 8, 4, 64, 2),
+    ([700, 333], [700, 20], 8, 4, 64, 3),  # FA3's d64 tile: 192 query rows, three warpgroups
 ])
-def test_small_pages_match_reference(page, ppb, lens, qlens, h_q, h_kv, d):
+def test_small_pages_match_reference(page, ppb, lens, qlens, h_q, h_kv, d, consumers):
     """Pages below the 128-token tile: a tile is 128 // page TMA boxes, one per page, each
     from its own place in the cache (the block's pages are head-major, so a head's pages
     are H_kv pages apart); a box landing in the wrong rows of the tile is far off."""
     args = _inputs(lens, qlens, h_q, h_kv, d=d, page=page, ppb=ppb)
     assert PG.gluon_applies(*args[:3])
-    got = PG.prefill_attention_gluon(*args, d**-0.5, out=torch.full_like(args[0], float("nan")))
+    got = PG.prefill_attention_gluon(*args, d**-0.5, out=torch.full_like(args[0], float("nan")),
+                                     consumers=consumers)
     want = ref.prefill_attention(*T.as64(*args[:3]), *args[3:], d**-0.5)
     assert torch.isfinite(got).all()
     assert T.rel_err(got, want) < 1e-2
@@ -80,6 +84,9 @@ def test_refuses_what_it_cannot_run():
     assert not PG.gluon_applies(q48, kc48, vc48)
     with pytest.raises(ValueError, match="128-token tiles"):
         PG.prefill_attention_gluon(q, kc16, vc16, None, None, None, 1.0)
+    args = _inputs([20], [20], 8, 2)
+    with pytest.raises(ValueError, match="ping-pong only with 2"):
+        PG.prefill_attention_gluon(*args, 1.0, consumers=3, pingpong=True)
 
 
 def test_launches_again_without_binding_and_stays_exact():

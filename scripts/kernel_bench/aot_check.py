@@ -62,19 +62,24 @@ def compile_sm90(fn, consts: dict, ptrs: dict, floats=(), source=ASTSource, **op
     return triton.compile(src, target=SM90, options=opts)
 
 
-def gluon_case(page=128, ppb=1):
-    """The Gluon prefill at its default settings (d128; page 128, or a smaller page a
-    tile loads as 128 / page TMA boxes), if this triton has Gluon."""
+def gluon_case(page=128, ppb=1, d=128, consumers=2):
+    """The Gluon prefill at its default settings (page 128, or a smaller page a tile loads
+    as 128 / page TMA boxes; ``consumers`` warpgroups of 64 query rows), if this triton
+    has Gluon."""
     if not PG.gluon_available():
         return
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    lay = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
-    desc = f"tensordesc<bf16[128,128],{lay!r}>"
-    kv_desc = f"tensordesc<bf16[{min(page, 128)},128],{lay!r}>"
-    consts = dict(H_Q=32, H_KV=8, D=128, PAGE=page, PPB=ppb, BM=PG.BLOCK_M, BN=PG.BLOCK_N,
-                  NS=PG.STAGES, PINGPONG=PG.PINGPONG)
+    bm = PG.ROWS_PER_CONSUMER * consumers
+    rows = PG.ROWS_PER_CONSUMER
+    q_lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+    lay = gl.NVMMASharedLayout.get_default_for([PG.BLOCK_N, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{rows},{d}],{q_lay!r}>"
+    kv_desc = f"tensordesc<bf16[{min(page, 128)},{d}],{lay!r}>"
+    consts = dict(H_Q=32, H_KV=8, D=d, PAGE=page, PPB=ppb, BM=bm, BN=PG.BLOCK_N,
+                  NS=PG.STAGES, PINGPONG=PG.PINGPONG and consumers == 2, NC=consumers,
+                  CONSUMER_REGS=PG.CONSUMER_REGS[consumers])
     ptrs = dict(q_desc=desc, k_desc=kv_desc, v_desc=kv_desc, cu_ptr="*i32", lens_ptr="*i32",
                 bt_ptr="*i32", o_ptr=BF)
     return compile_sm90(PG._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),
@@ -206,8 +211,8 @@ def main() -> int:
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: smem {k.metadata.shared} B, "
               f"async copies {n_async}, {opts}")
-    for page, ppb in ((128, 1), (16, 8)):
-        k = gluon_case(page, ppb)
+    for page, ppb, d, nc in ((128, 1, 128, 2), (16, 8, 128, 2), (128, 1, 64, 3), (16, 8, 64, 3)):
+        k = gluon_case(page, ppb, d, nc)
         if k is None:
             break
         # warp-specialised: TMA loads, wgmma, register hand-off between partitions
@@ -216,7 +221,7 @@ def main() -> int:
         ok = (k.metadata.shared <= SMEM_LIMIT and boxes > 0
               and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx)
         bad += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} prefill gluon (FA3 schedule) page{page}: smem "
+        print(f"{'ok  ' if ok else 'FAIL'} prefill gluon (FA3 schedule) d{d} x{nc} warpgroups page{page}: smem "
               f"{k.metadata.shared} B, {boxes} TMA copies in the PTX")
     return 1 if bad else 0
 

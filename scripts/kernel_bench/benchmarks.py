@@ -97,7 +97,8 @@ def bench_copy(run) -> None:
     n = (1 << 20) if run.tiny else (1 << 30)  # bytes per side
     src = torch.randn(n // 2, device=run.dev).to(DT)
     dst = torch.empty_like(src)
-    ms = run.time_ms(lambda: dst.copy_(src))
+    # in graphs an SM copy: a captured copy_ is a copy-engine memcpy node (same_traffic_copy_ms)
+    ms = run.time_ms((lambda: torch.mul(src, 1, out=dst)) if run.graph else (lambda: dst.copy_(src)))
     run.copy_tbs = round(2 * n / ms / 1e9, 3)
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
@@ -107,7 +108,7 @@ def graph_ms(run, fn) -> float:
     time in the window. ``do_bench`` times one launch after a cache-clearing memset, and at
     2K tokens a ~0.1 ms kernel is as long as that memset, so the launcher's host time can
     land inside it (0.079-0.144 ms for one fp8 decode in one run, bench/RESULTS.md)."""
-    if run.tiny:
+    if run.tiny or run.graph:
         return run.time_ms(fn)
     import triton.testing
 
@@ -121,6 +122,7 @@ def same_traffic_copy_ms(run, nbytes: int, *, graph: bool = False) -> float:
     copy (``torch.mul(src, 1, out=dst)``) replayed in a CUDA graph, since ``copy_``
     captured becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a graph, 0.26
     ms eagerly, on the H200)."""
+    graph = graph or run.graph
     key = (nbytes, graph)
     if key not in run.same_copy_ms:
         src = torch.randn(nbytes // 4, device=run.dev).to(DT)
@@ -136,7 +138,7 @@ def with_same_copy(run, row, nbytes: int, fn=None):
     """``row`` (a read of ``nbytes``) gains vs_same_copy: the same-traffic copy's time / its;
     with ``fn`` (the row's call) also graph_vs_copy: both replayed in CUDA graphs."""
     row["vs_same_copy"] = round(same_traffic_copy_ms(run, nbytes) / row["ms"], 3)
-    if fn is not None:
+    if fn is not None and not run.graph:  # --graph: vs_same_copy is already the graph ratio
         row["graph_vs_copy"] = round(same_traffic_copy_ms(run, nbytes, graph=True) / graph_ms(run, fn), 3)
     print(f"    vs_same_copy={row['vs_same_copy']} graph_vs_copy={row.get('graph_vs_copy')} "
           f"({row['kernel']} {row['shape']})", flush=True)
@@ -217,6 +219,8 @@ def _paired(run, shape, base_fn, fn, flops, pairs=7) -> None:
                   note=f"vs_baseline: sdpa causal, median of {len(times)} alternating pairs "
                        f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}); goal >= 1.0 at T8192")
     row["vs_baseline"] = round(mid, 3)
+    if run.graph:  # vs_baseline is already the graph ratio
+        return
     try:  # the same ratio with both replayed in CUDA graphs: no launcher host time in it
         row["graph_vs_sdpa"] = round(graph_ms(run, base_fn) / graph_ms(run, fn), 3)
     except Exception as exc:  # a kernel that cannot be captured keeps its eager row
