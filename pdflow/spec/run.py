@@ -166,8 +166,9 @@ class ServeSpec:
     # API front processes (HTTP, tokenization, detokenization, SSE) sharing the listening
     # socket in front of the one engine-core process (role=deployment).
     api_servers: int = 1
-    # torch threads of the engine-core process (what a CPU instance in it computes with);
-    # 0: the host's cores less one per API front, at least 1. On 2 cores the core's two
+    # torch threads of the engine-core process, and of a role=prefill|decode instance's
+    # engine thread (what a CPU instance computes with); 0: the host's cores less one per
+    # API front, at least 1. On 2 cores the core's two
     # threads waited on whichever one a front had preempted: decode steps 50% slower
     # served than offline (bench/RESULTS.md, issue 30, CPU).
     core_threads: int = 0
@@ -206,7 +207,8 @@ class ServeSpec:
                              f"got {self.core_threads}")
 
     def core_threads_on(self, cores: int) -> int:
-        """The engine-core process's torch threads on a host of ``cores`` cores."""
+        """The engine's torch threads (engine-core process, or a P/D instance) on a host of
+        ``cores`` cores."""
         return self.core_threads or max(1, cores - self.api_servers)
 
 
