@@ -39,7 +39,7 @@ def test_short_query_rows_attend_like_the_prefill_op(q_lens, starts, monkeypatch
     gen = torch.Generator().manual_seed(len(q_lens))
     step = verify_step(q_lens, starts=starts)
     runner = StageRunner(model=None, device=torch.device("cpu"))
-    _, _, rows = runner.tensors(step)
+    rows = runner._rows_as_decode(step, q_lens)  # what a GPU runner takes (the CPU: verifies only)
     assert rows.decode_only and rows.context_lens.shape[0] == sum(q_lens)
     monkeypatch.setattr(stage_runner, "ROWS_AS_DECODE", 0)  # the prefill op's metadata
     monkeypatch.setattr(stage_runner, "SHORT_STEP_ROWS", 0)
@@ -65,6 +65,19 @@ def test_which_steps_run_as_decode_rows():
     assert rows([8] * 64)  # a verify at batch 64: 512 rows, each sequence short
     assert rows([100]) and rows([60, 60, 1])  # a short step in all
     assert not rows([129]) and not rows([100, 100])  # a real prefill chunk keeps its tiles
+    # On the CPU only verifies do: the prefill op reads each context once, rows re-read it
+    assert rows([8] * 64, short_steps=False) and not rows([100], short_steps=False)
+    assert not rows([60, 60, 1], short_steps=False)
+
+
+def test_a_cpu_runner_takes_a_short_chunk_as_a_prefill():
+    """The stage runner decides by its device: the same 28-token tail is decode rows on
+    a GPU (a prefill tile would walk the context alone) and one prefill on the CPU."""
+    step = verify_step([28], starts=[30])
+    _, _, cpu = StageRunner(model=None, device=torch.device("cpu")).tensors(step)
+    assert not cpu.decode_only and cpu.max_seqlen_q == 28
+    _, _, verify = StageRunner(model=None, device=torch.device("cpu")).tensors(verify_step([8], starts=[37]))
+    assert verify.decode_only
 
 
 def test_decode_graphs_take_a_verify_as_rows():

@@ -54,7 +54,9 @@ def test_generated_logprobs_streamed_equal_unstreamed(client):
     whole = client.completions.create(**kw).choices[0].logprobs
     chunks = list(client.completions.create(**kw, stream=True))
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
-    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-6)
+    # the second request's prompt tail runs after a prefix hit: the same values up to fp32
+    # rounding in another summation order
+    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-5)
     for chosen, top in zip(whole.token_logprobs, whole.top_logprobs, strict=True):
         assert chosen == max(top.values())  # greedy: the chosen token is the most likely
         assert len(top) == 3

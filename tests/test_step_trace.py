@@ -12,7 +12,7 @@ from pdflow.spec.load import compose_spec
 def test_trace_records_each_steps_path_and_ops():
     spec = compose_spec(["mode=monolithic", "prefill=tp1", "decode=tp1", "tracking=off", "drafter=none",
                          "decode.device=cpu", "prefill.device=cpu"])
-    prompt = "12+34=" * 30  # 180 tokens: one prefill, then a prefix-hit tail of 52 rows
+    prompt = "12+34=" * 30  # 180 tokens: one prefill, then a prefix-hit tail of 53 tokens
     with LLM.from_run_spec(spec, role="decode") as llm:
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
         executor = llm.engine.instance.executor
@@ -23,7 +23,8 @@ def test_trace_records_each_steps_path_and_ops():
         assert "decode_attention" not in vars(backend)
     layers = spec.model.layers
     paths = [(r.path, r.rows, r.graphed) for r in trace.records]
-    assert paths == [("decode-rows", 181 - 128, False), ("decode", 1, False), ("decode", 1, False)]
-    assert trace.records[0].ops == {"decode_attention": layers, "store_kv": layers}
+    # on the CPU the tail is one prefill (a GPU takes it as decode rows: runs_as_decode_rows)
+    assert paths == [("prefill", 181 - 128, False), ("decode", 1, False), ("decode", 1, False)]
+    assert trace.records[0].ops == {"prefill_attention": layers, "store_kv": layers}
     assert "3 steps (0 graphed)" in trace.summary()
     assert trace.kernels_built() in (None, 0)  # CPU: nothing compiled (None: every kernel interpreted)

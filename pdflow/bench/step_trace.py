@@ -44,11 +44,12 @@ class StepRecord:
                 f"{how}, {self.ms:.2f} ms, eager attention ops: {ops}")
 
 
-def step_path(step: StepInput) -> tuple[str, int, int]:
-    """(path, rows, longest) the stage runner takes for ``step``."""
+def step_path(step: StepInput, *, short_steps: bool = True) -> tuple[str, int, int]:
+    """(path, rows, longest) the stage runner takes for ``step`` (``short_steps``: as
+    ``runs_as_decode_rows``, False on the CPU)."""
     q_lens = [b - a for a, b in itertools.pairwise(step.cu_seqlens_q)]
     longest = max(q_lens, default=0)
-    if runs_as_decode_rows(q_lens):
+    if runs_as_decode_rows(q_lens, short_steps=short_steps):
         return "decode-rows", sum(q_lens), longest
     return ("decode" if longest == 1 else "prefill"), sum(q_lens), longest
 
@@ -117,7 +118,7 @@ class StepTrace:
         start = time.perf_counter()
         out = InProcessExecutor.execute(self.executor, step)
         ms = 1e3 * (time.perf_counter() - start)
-        path, rows, longest = step_path(step)
+        path, rows, longest = step_path(step, short_steps=self.executor.stage.runner.short_steps)
         self.records.append(StepRecord(step=step.step, seqs=len(step.seq_ids), rows=rows, longest=longest,
                                        path=path, graphed=out.cuda_graph, ms=ms, ops=dict(self._counts),
                                        drafted=any(step.num_drafts),

@@ -26,16 +26,22 @@ ROWS_AS_DECODE = 16
 SHORT_STEP_ROWS = 128
 
 
-def runs_as_decode_rows(q_lens: list[int]) -> bool:
-    """Whether a step with these new tokens per sequence runs as one decode row per token."""
+def runs_as_decode_rows(q_lens: list[int], *, short_steps: bool = True) -> bool:
+    """Whether a step with these new tokens per sequence runs as one decode row per token.
+    ``short_steps`` False (the CPU): only verifies do. There the prefill op gathers each
+    sequence's context once and attends with one SDPA, while decode rows each re-read it:
+    a 64-token tail over 256 cached tokens of the tiny model took 0.56 ms a layer as a
+    prefill and 0.96 ms as rows (one thread), the bulk of a decode instance's local
+    prefill of a later chat turn (bench/RESULTS.md, issue 33)."""
     longest = max(q_lens, default=0)
-    return longest > 1 and (longest <= ROWS_AS_DECODE or sum(q_lens) <= SHORT_STEP_ROWS)
+    return longest > 1 and (longest <= ROWS_AS_DECODE or (short_steps and sum(q_lens) <= SHORT_STEP_ROWS))
 
 
 class StageRunner:
     def __init__(self, model: CausalLM, device: torch.device, capture_layers: tuple[int, ...] = ()):
         self.model = model
         self.device = device
+        self.short_steps = device.type != "cpu"  # short chunks as decode rows (runs_as_decode_rows)
         self.capture_layers = tuple(capture_layers)
         self.sampler = Sampler()
         # Seeded requests' generators live where sampling happens, keyed by request id.
@@ -56,7 +62,7 @@ class StageRunner:
         sampled (overlap scheduling), gathered into the placeholder rows on the device."""
         q_lens = [b - a for a, b in itertools.pairwise(step.cu_seqlens_q)]
         longest = max(q_lens, default=0)
-        if runs_as_decode_rows(q_lens):
+        if runs_as_decode_rows(q_lens, short_steps=self.short_steps):
             meta = self._rows_as_decode(step, q_lens)
         else:
             meta = AttentionMetadata(
