@@ -87,10 +87,12 @@ class Run:
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
+        if self.graph:
+            from kernel_bench.benchmarks import graph_ms
+
+            return graph_ms(self, fn)
         import triton.testing
 
-        if self.graph:
-            return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
     def add(self, kernel, shape, ms, *, nbytes=None, flops=None, baseline=None, note=""):

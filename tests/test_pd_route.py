@@ -117,7 +117,6 @@ def test_a_decode_backend_given_a_route_prefills_at_its_producer_and_frees_on_it
     assert len(job.target.blocks) == -(-len(prompt) // backend.block_size)
 
 
-
 def test_a_decode_backends_wake_ends_its_wait_and_loses_no_answer(consumer):
     """``wake`` (a command for the loop) puts a marker among the exchanges' answers: a
     ``step`` waiting for one returns, and an answer queued beside the marker still settles."""
@@ -131,6 +130,7 @@ def test_a_decode_backends_wake_ends_its_wait_and_loses_no_answer(consumer):
     outputs = _until_finished(backend, rid)
     assert len(outputs) == 1 and "stub producer: no KV" in outputs[0].error
     assert backend.num_free_kv_blocks == free and backend.results.empty()
+
 
 def test_each_pd_backend_refuses_the_other_sides_route(consumer):
     from pdflow.serve.pd_prefill import PrefillBackend

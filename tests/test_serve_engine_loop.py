@@ -139,7 +139,6 @@ def test_abort_before_admission_never_reaches_the_backend():
     assert ticket.request_id is None and backend.ids == 0 and done.is_set()
 
 
-
 class AwaitingBackend(ScriptedBackend):
     """A request with a route waits for work elsewhere (a remote prefill's answer): while
     only such requests are in, ``step`` waits for it, as ``DecodeBackend`` does, here for
@@ -211,6 +210,7 @@ async def _collect_routed(loop: EngineLoop, route):
     while not got[-1].done:
         got.append(await events.get())
     return got
+
 
 @pytest.fixture
 def scripted_server():

@@ -28,6 +28,7 @@ from pdflow.kernels import copy_runs as CR  # noqa: E402
 from pdflow.kernels import decode_attention as DA  # noqa: E402
 from pdflow.kernels import prefill_attention as PA  # noqa: E402
 from pdflow.kernels import prefill_gluon as PG  # noqa: E402
+from pdflow.kernels import prefill_gluon_kernel as PGK  # noqa: E402
 from pdflow.kernels import prefill_tma as PT  # noqa: E402
 from pdflow.kernels import store_kv as SK  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -82,7 +83,7 @@ def gluon_case(page=128, ppb=1, d=128, consumers=2):
                   CONSUMER_REGS=PG.CONSUMER_REGS[consumers])
     ptrs = dict(q_desc=desc, k_desc=kv_desc, v_desc=kv_desc, cu_ptr="*i32", lens_ptr="*i32",
                 bt_ptr="*i32", o_ptr=BF)
-    return compile_sm90(PG._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),
+    return compile_sm90(PGK._prefill_gluon_kernel, consts, ptrs, ("scale_log2",),
                         source=GluonASTSource, num_warps=4)
 
 

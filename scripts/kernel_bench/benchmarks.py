@@ -108,7 +108,7 @@ def graph_ms(run, fn) -> float:
     time in the window. ``do_bench`` times one launch after a cache-clearing memset, and at
     2K tokens a ~0.1 ms kernel is as long as that memset, so the launcher's host time can
     land inside it (0.079-0.144 ms for one fp8 decode in one run, bench/RESULTS.md)."""
-    if run.tiny or run.graph:
+    if run.tiny:
         return run.time_ms(fn)
     import triton.testing
 
