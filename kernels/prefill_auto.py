@@ -21,10 +21,10 @@ import torch
 
 from ._common import interpreting
 from .prefill_attention import prefill_attention as prefill_attention_ptr
-from .prefill_gluon import gluon_applies, prefill_attention_gluon
+from .prefill_gluon import D64_LONG, gluon_applies, prefill_attention_gluon
 from .prefill_tma import prefill_attention_tma, tma_kv_mode, tma_supported
 
-__all__ = ["kernel_for", "prefill_attention", "uses_tma"]
+__all__ = ["kernel_for", "length_breaks", "prefill_attention", "uses_tma"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -39,6 +39,14 @@ def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     return (q.dtype in (torch.bfloat16, torch.float16) and 16 <= q.shape[-1] <= 128
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
             and tma_kv_mode(k_cache, v_cache) != 0)
+
+
+def length_breaks(head_dim: int) -> tuple[int, ...]:
+    """Lengths of a step's longest prompt (``max_seqlen_q``) from which the kernel this op
+    runs at ``head_dim`` is another compile: a warm-up meets a prompt on each side of each
+    break (the Gluon kernel, which runs head dims 64 and 128, takes three warpgroups from
+    ``D64_LONG`` tokens at 64; a scale cache's last dimension, 1, has none)."""
+    return (D64_LONG,) if head_dim == 64 else ()
 
 
 _GLUON_BROKEN: set[str] = set()  # devices where the Gluon kernel failed to build or run

@@ -44,6 +44,36 @@ def test_gpu_shape_classes_meet_every_integer_class_split_count_and_step_path():
         assert all(q <= ctx for q, ctx in zip(c.q_lens, c.context_lens, strict=True))
 
 
+def test_a_large_token_budget_still_warms_a_prefill_below_each_kernel_break():
+    """16,384 tokens a step: every prefill above is >= 4,096 tokens (the pair: 8,191), so
+    without the breaks a d64 model's first short prompt compiled the two-warpgroup Gluon
+    kernel inside a request."""
+    def below(classes, brk):
+        return {_int_class(max(c.q_lens)) for c in classes
+                if SHORT_STEP_ROWS < max(c.q_lens) < brk and not runs_as_decode_rows(list(c.q_lens))}
+
+    assert below(shape_classes(16384, max_num_seqs=64, split_of=_splits), 4096) == set()  # the gap
+    classes = shape_classes(16384, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,))
+    assert below(classes, 4096) == {"x16", "other"}
+    assert any(max(c.q_lens) >= 4096 for c in classes)
+    for c in classes:
+        assert sum(c.q_lens) <= 16384 and all(q <= ctx for q, ctx in zip(c.q_lens, c.context_lens, strict=True))
+    # a budget whose pair already falls below the break, or that never reaches it, adds nothing
+    for tokens in (8192, 2048):
+        assert shape_classes(tokens, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,)) == \
+            shape_classes(tokens, max_num_seqs=64, split_of=_splits)
+
+
+def test_the_prefill_kernel_changes_schedule_only_at_its_length_breaks():
+    from pdflow.kernels.prefill_auto import length_breaks
+    from pdflow.kernels.prefill_gluon import default_schedule
+
+    for d in (64, 128):
+        changes = tuple(n for n in range(2, 70000) if default_schedule(d, n) != default_schedule(d, n - 1))
+        assert changes == length_breaks(d), d
+    assert length_breaks(1) == ()  # an fp8 cache's scale unit
+
+
 def test_decode_batches_stay_within_the_rows_and_skip_what_graphs_take():
     assert decode_batches(1, _splits) == [1]
     batches = decode_batches(64, _splits)

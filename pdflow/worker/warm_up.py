@@ -54,7 +54,8 @@ def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]
     return sorted(sizes)
 
 
-def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: int = 0) -> list[ShapeClass]:
+def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: int = 0,
+                  prefill_breaks: tuple[int, ...] = ()) -> list[ShapeClass]:
     """What a rank's steps can look like, within ``tokens`` new tokens a step (contexts
     too: the pool holds them). On CPU
     (``split_of`` None) only the decode op compiles: one decode step loads it. On a GPU:
@@ -62,7 +63,9 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
     lengths), a short step and a verify (rows as decode), and decode batches: one per
     split count of the decode kernel from one row up (short steps bring up to
     SHORT_STEP_ROWS rows). With ``num_drafts`` k, the verify is
-    [anchor, k drafts]."""
+    [anchor, k drafts]. ``prefill_breaks``: prompt lengths from which the prefill kernel is
+    another compile (``kernels/prefill_auto.length_breaks``): where the prefills above all
+    fall on one side of a break, a prefill just below it (both integer classes) joins them."""
     n = max(1, tokens)
     if split_of is None:
         return [ShapeClass(name="decode", q_lens=(1,), context_lens=(n,))]
@@ -74,6 +77,7 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
     if n // 2 > SHORT_STEP_ROWS:
         half = n // 2 - 1 - (n // 2) % 2  # odd, and the pair stays above SHORT_STEP_ROWS
         classes.append(ShapeClass(name=f"prefill 2 x {half}", q_lens=(half, half), context_lens=(half, n)))
+    classes += _below_breaks(classes, n, prefill_breaks)
     short = min(n, SHORT_STEP_ROWS) - 1 or 1
     classes.append(ShapeClass(name=f"short step {short}", q_lens=(short,), context_lens=(n,)))
     verify = min(n, num_drafts + 1 if num_drafts else ROWS_AS_DECODE)
@@ -88,6 +92,20 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
         lens = tuple(max(1, n - 7 * i) for i in range(b))
         classes.append(ShapeClass(name=f"decode batch {b}", q_lens=(1,) * b, context_lens=lens))
     return classes
+
+
+def _below_breaks(prefills: list[ShapeClass], n: int, breaks: tuple[int, ...]) -> list[ShapeClass]:
+    """Prefills of ``break - 16`` (a multiple of 16 when the break is) and ``break - 1``
+    tokens for each break the ``prefills`` all reach (none of them starts below it): a
+    budget of 16,384 tokens makes even the two-sequence prefill 8,191 tokens long."""
+    extra = []
+    for b in breaks:
+        if b - 16 <= SHORT_STEP_ROWS or b > n or any(max(c.q_lens) < b for c in prefills):
+            continue
+        for q in (b - 16, b - 1):
+            extra.append(ShapeClass(name=f"prefill {q} (below a kernel break at {b})", q_lens=(q,),
+                                    context_lens=(n if q % 2 else q,)))
+    return extra
 
 
 def warm_step(shape: ShapeClass, block_size: int, number: int, *, num_blocks: int,
@@ -130,7 +148,7 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
     full = cuda if full is None else full
     if not full and not uses_cpu_op(stage):
         return 0.0
-    split_of = None
+    split_of, breaks = None, ()
     if full:
         from pdflow.kernels.decode_attention import default_splits
 
@@ -138,10 +156,14 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
         # a batch size is a new class when any of their split counts changes.
         h_kvs = sorted({cache.shape[2] for cache in stage.kv.caches.values()})
         split_of = lambda b: tuple(default_splits(b, h, device, None) for h in h_kvs)  # noqa: E731
+        from pdflow.kernels.prefill_auto import length_breaks
+
+        breaks = tuple(sorted({b for c in stage.kv.caches.values() for b in length_breaks(c.shape[-1])}))
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
-                            num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0)
+                            num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0,
+                            prefill_breaks=breaks)
     total = len(classes) + sum(g is not None for g in (stage.graphs, stage.drafted_graphs, stage.piecewise))
     dtype = next(stage.model.parameters()).dtype
     log_event("warm_up_begin", announce)
