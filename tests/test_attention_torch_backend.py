@@ -90,6 +90,28 @@ def test_fused_decode_op_is_used_for_fp32(monkeypatch):
     assert not cpu_decode.usable(q, cache.transpose(0, 1), cache)
 
 
+def test_the_fused_decode_op_refuses_metadata_that_does_not_match_its_tensors():
+    """It reads pages through raw pointers: mismatched metadata once segfaulted (a prefill's
+    rows given as decode rows); now each case raises, and the same call with matching
+    metadata runs."""
+    require_cpu_op()
+    op = cpu_decode.op()
+    q = torch.randn(2, 4, 64)
+    kc, vc = torch.randn(3, 1, 2, 16, 64), torch.randn(3, 1, 2, 16, 64)
+    lens = torch.tensor([5, 16], dtype=torch.int32)
+    tables = torch.tensor([[0, 0], [2, 0]], dtype=torch.int32)
+    assert op(q, kc, vc, lens, tables, 0.125).shape == q.shape
+    bad = {
+        "one new token per sequence": (q.repeat(3, 1, 1), lens, tables),  # a prefill's rows
+        "table holds": (q, torch.tensor([5, 40], dtype=torch.int32), tables),
+        "of a pool of 3": (q, lens, torch.tensor([[0, 0], [7, 0]], dtype=torch.int32)),
+        "int32 lengths": (q, lens.long(), tables),
+    }
+    for match, (qq, ll, tt) in bad.items():
+        with pytest.raises(RuntimeError, match=match):
+            op(qq, kc, vc, ll, tt, 0.125)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("geo", GEOMETRIES, ids=GEO_IDS)
 def test_decode_equals_reference(backend, geo, dtype, fused):

@@ -89,8 +89,36 @@ static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Te
   });
 }
 
+// The pages are read through raw pointers: metadata that does not match the tensors (a
+// prefill's rows, a table too short for a length, a block past the pool) must raise here,
+// not read out of bounds.
+static void check(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                  const torch::Tensor& lens, const torch::Tensor& tables) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 5 && vc.sizes() == kc.sizes() && q.size(2) == kc.size(4),
+              "paged_decode: q [B, H_q, D] and caches [blocks, pages, H_kv, page, D] expected");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "paged_decode: contiguous tensors expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "paged_decode: fp32 q and caches expected");
+  TORCH_CHECK(lens.scalar_type() == at::kInt && tables.scalar_type() == at::kInt && tables.dim() == 2
+              && lens.is_contiguous() && tables.is_contiguous(), "paged_decode: int32 lengths and tables expected");
+  const int64_t B = q.size(0), NB = kc.size(0), BS = kc.size(1) * kc.size(3), W = tables.size(1);
+  TORCH_CHECK(lens.numel() == B && tables.size(0) == B, "paged_decode: ", B, " rows of q but ", lens.numel(),
+              " lengths and ", tables.size(0), " block-table rows (one new token per sequence)");
+  TORCH_CHECK(kc.size(2) > 0 && q.size(1) % kc.size(2) == 0, "paged_decode: H_q not a multiple of H_kv");
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= W * BS, "paged_decode: sequence ", b, " has length ", lp[b],
+                " but its table holds ", W * BS, " tokens");
+    for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < NB, "paged_decode: sequence ", b, " names block ",
+                  tp[b * W + i], " of a pool of ", NB);
+  }
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                            torch::Tensor lens, torch::Tensor tables, double scale) {
+  check(q, kc, vc, lens, tables);
   auto out = torch::empty_like(q);
   switch (q.size(2)) {
     case 64: run<64>(q, kc, vc, lens, tables, scale, out); break;
