@@ -102,8 +102,12 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def page_offsets(bt_row_ptr, pos, valid, kvh, s_cb, s_cp, s_ch, s_ct,
                  PAGE: tl.constexpr, PPB: tl.constexpr):
     """Element offset of (token ``pos``, KV head ``kvh``) in a paged head-major cache,
-    via the sequence's block table row: page ``block * PPB + off // PAGE``."""
-    blk = tl.load(bt_row_ptr + pos // (PAGE * PPB), mask=valid, other=0).to(tl.int64)
+    via the sequence's block table row: page ``block * PPB + off // PAGE``. ``valid``
+    None: every ``pos`` is inside the context (an unmasked load)."""
+    if valid is None:
+        blk = tl.load(bt_row_ptr + pos // (PAGE * PPB)).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + pos // (PAGE * PPB), mask=valid, other=0).to(tl.int64)
     off = pos % (PAGE * PPB)
     return blk * s_cb + (off // PAGE) * s_cp + kvh * s_ch + (off % PAGE) * s_ct
 

@@ -11,7 +11,13 @@ optionally appends ``NX`` per-sequence tokens held outside the cache (the DSpark
 block, see block_attention.py): the last split attends to them in one extra tile after
 its context loop, so the context loop is exactly the decode loop (mixing the block
 tokens into every tile costs 1.8x a decode step on the H200: bench/KERNEL_NOTES.md).
-An fp8 cache (``k_scale``/``v_scale`` given) is only converted (e4m3 is exact in 16 bits;
+A 16-bit context loop does the least per score element: no token masks on its loads and
+no select on its scores except in a split's partial last tile (its tokens past the end
+re-read the last real one), and the running max kept on the raw dot so that the softmax
+scale folds into one FMA with the max's subtraction (the DSpark block pass, 32 rows where
+a decode has 4, ran 1.04-1.06x faster at d128 and 1.07-1.10x at d64 on the H200:
+bench/KERNEL_NOTES.md row 51). An fp8 cache (``k_scale``/``v_scale`` given) keeps its
+masks (row 51) and is only converted (e4m3 is exact in 16 bits;
 a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per two values
 and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does,
 V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's operand
@@ -50,18 +56,38 @@ from .reference import decode_attention as decode_attention_reference
 __all__ = ["decode_attention", "decode_attention_reference", "paged_attention"]
 
 @triton.jit
-def _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """One K/V tile of the online softmax; ``ok`` masks the tile's invalid columns (every
-    tile here has at least one valid column, so the running max is finite)."""
-    s = mma(q, tl.trans(k), DOT_PREC, UPCAST) * scale_log2
-    s = tl.where(ok[None, :], s, float("-inf"))
+def _softmax_step(s, m_i, l_i, c, SCALED: tl.constexpr):
+    """The online softmax over one tile's scores ``s`` (masked columns -inf): (m, l, p,
+    alpha). A 16-bit tile's ``s`` is the raw dot and ``m`` its running max, not the scaled
+    score's: ``c = scale * log2(e) > 0`` commutes with the max, so p = exp2(s * c - m * c)
+    is one FMA an element where scaling first was a multiply and a subtract. ``SCALED`` (an
+    fp8 tile, whose per-column scales multiply every score anyway): ``s`` and ``m`` are
+    already in log2 units (``c`` folded into the column scales). Every tile has a valid
+    column, so the running max is finite."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SCALED:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        mc = m_new * c
+        alpha = tl.exp2(m_i * c - mc)
+        p = tl.exp2(s * c - mc[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, p, alpha
+
+
+@triton.jit
+def _online_step(q, k, v, ok, m_i, l_i, acc, c, SCALED: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One masked K/V tile of the online softmax (the DSpark block's own tokens), in the
+    context loop's units (``SCALED``: an fp8 cache's)."""
+    s = mma(q, tl.trans(k), DOT_PREC, UPCAST)
+    if SCALED:
+        s = s * c
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, c, SCALED)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -71,15 +97,16 @@ def _online_step_fp8(q, k_t, v, sk, sv, ok, m_i, l_i, acc, scale_log2, DOT_PREC:
     (e4m3 is exact in 16 bits), their power-of-two scales ``sk``/``sv`` [N] applied to the
     score and p columns instead of every element: the same products, since scaling by a
     power of two is exact in fp32 and commutes with rounding to 16 bits. K comes already
-    transposed (loaded as [D, N]), so no 8-bit transpose goes through shared memory."""
+    transposed (loaded as [D, N]), so no 8-bit transpose goes through shared memory. The
+    scores are in log2 units (``scale_log2`` folded into the column scales), every tile's
+    columns past ``end`` masked: the 16-bit loop's unmasked form measured no gain here
+    beyond its A/B's order bias, and ptxas gave it 141-150 registers at page 128 against
+    121 (three programs an SM, not four: bench/KERNEL_NOTES.md row 51)."""
     s = mma(q, k_t, DOT_PREC, UPCAST) * (sk * scale_log2)[None, :]
     s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, scale_log2, True)
     acc = acc * alpha[:, None] + mma((p * sv[None, :]).to(v.dtype), v, DOT_PREC, UPCAST)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 # The block table's row stride grows with the longest context in a step: specialized on
@@ -133,12 +160,18 @@ def _paged_split_kernel(
         blk_next = scale_rows(bt_row, start + BLOCK_N, end, PAGE, PPB, BLOCK_N, SW)
         # fp16 dots: e4m3 -> fp16 is one cvt per two values (-> bf16 takes a second)
         q8 = q.to(tl.float16) if F8_F16 else q
-    # The paged context: the same loop as plain decode (loads straight into the dot).
+    # The paged context: the same loop as plain decode (loads straight into the dot). A
+    # 16-bit tile's loads take no token mask and a full tile's scores no select: only a
+    # split's last tile can run past ``end``, and it alone masks its scores (a branch the
+    # whole program takes or skips); its tokens past ``end`` re-read token ``end - 1`` (a
+    # real one: no stale NaN can meet p = 0 in the PV dot). With the FMA-folded scale
+    # (``_softmax_step``) the DSpark block pass's loop runs 1.04-1.05x faster at d128
+    # (bench/KERNEL_NOTES.md row 51). An fp8 tile keeps its masks (below).
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
         if QUANT:
+            tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
             ek = ek_next
             ev = ev_next
             ek_next = row_scales(ks_ptr, blk_next, n0 + BLOCK_N, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
@@ -169,10 +202,14 @@ def _paged_split_kernel(
             m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
-            kv_mask = ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_step(q, k, v, ok, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            tok = page_offsets(bt_row, tl.minimum(pos, end - 1), None, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+            k = tl.load(kc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(vc_ptr + tok[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            s = mma(q, tl.trans(k), DOT_PREC, UPCAST)
+            if n0 + BLOCK_N > end:  # the split's partial last tile
+                s = tl.where(ok[None, :], s, float("-inf"))
+            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, scale_log2, False)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST)
     # The DSpark block's own K/V (not in the cache): once, by the last split, after the
     # context loop, so the hot loop carries no extra loads or selects.
     if NX > 0:  # noqa: SIM102 (constexpr test: the block code is not compiled for decode)
@@ -185,7 +222,7 @@ def _paged_split_kernel(
                 kx = tl.load(kx_ptr + x_off[:, None] + d[None, :], mask=x_mask, other=0.0)
                 vx = tl.load(vx_ptr + x_off[:, None] + d[None, :], mask=x_mask, other=0.0)
                 m_i, l_i, acc = _online_step(q, kx.to(q.dtype), vx.to(q.dtype), x_ok, m_i, l_i,
-                                             acc, scale_log2, DOT_PREC, UPCAST)
+                                             acc, scale_log2, QUANT, DOT_PREC, UPCAST)
 
     o_off = b * s_ob + split * s_os + qi * s_om + qh * s_oh
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -195,7 +232,7 @@ def _paged_split_kernel(
     else:
         tl.store(o_ptr + o_off[:, None] + d[None, :], acc, mask=o_mask)
         ml_off = b * s_mb + split * s_ms + qi * s_mm + qh * s_mh
-        tl.store(ml_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_off, m_i if QUANT else m_i * scale_log2, mask=row_ok)  # in log2 units
         tl.store(ml_ptr + ml_off + 1, l_i, mask=row_ok)
 
 
@@ -259,12 +296,16 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
     a same-traffic copy at 64 tokens, 0.97-0.99x at 128, in CUDA graphs on the H200). Four warps and four stages
     were fastest on the H200 at B64 x 8 heads (bn64, one split); an fp8 decode over pages
     shorter than the tile reads V a page at a time, with two warps and two stages (page 16:
-    1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48)."""
+    1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48). A 16-bit
+    DSpark block at head dim 64: two warps, three stages (a warp then holds 16 of the 32 rows
+    over the whole tile: 1.39-1.40x faster than four warps in CUDA graphs on the H200, row 51)."""
     if block_n is None:
         wide = quant or (itemsize <= 2 and (nx > 0 or head_dim <= 64))
         block_n = (128 if wide else 64) if block_m <= 64 else 32
     v_pages = v_pages and quant and page < block_n  # False: V as one [tokens, D] tile (A/B)
     narrow = v_pages and nx == 0
+    if nx > 0 and not quant and itemsize <= 2 and head_dim <= 64:  # the d64 16-bit block pass
+        return DecodeTiles(block_n=block_n, num_warps=2, num_stages=3 if cuda else 1, v_pages=False)
     return DecodeTiles(block_n=block_n, num_warps=2 if narrow else 4,
                        num_stages=(2 if narrow else 4) if cuda else 1, v_pages=v_pages)
 
