@@ -44,24 +44,31 @@ def test_gpu_shape_classes_meet_every_integer_class_split_count_and_step_path():
         assert all(q <= ctx for q, ctx in zip(c.q_lens, c.context_lens, strict=True))
 
 
-def test_a_large_token_budget_still_warms_a_prefill_below_each_kernel_break():
-    """16,384 tokens a step: every prefill above is >= 4,096 tokens (the pair: 8,191), so
-    without the breaks a d64 model's first short prompt compiled the two-warpgroup Gluon
-    kernel inside a request."""
-    def below(classes, brk):
-        return {_int_class(max(c.q_lens)) for c in classes
-                if SHORT_STEP_ROWS < max(c.q_lens) < brk and not runs_as_decode_rows(list(c.q_lens))}
+def test_the_warm_up_meets_both_sides_of_each_prefill_kernel_break_the_budget_reaches():
+    """The warm-up's own prefills stop at 512 tokens; a d64 model's Gluon prefill takes three
+    warpgroups from 4,096, so without the breaks a step budget of 16,384 tokens compiled
+    that kernel inside the first long prompt's request."""
+    def sides(classes, brk):
+        prefills = [c for c in classes if not runs_as_decode_rows(list(c.q_lens)) and max(c.q_lens) > 1]
+        return ({_int_class(max(c.q_lens)) for c in prefills if SHORT_STEP_ROWS < max(c.q_lens) < brk},
+                {_int_class(max(c.q_lens)) for c in prefills if max(c.q_lens) >= brk})
 
-    assert below(shape_classes(16384, max_num_seqs=64, split_of=_splits), 4096) == set()  # the gap
-    classes = shape_classes(16384, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,))
-    assert below(classes, 4096) == {"x16", "other"}
-    assert any(max(c.q_lens) >= 4096 for c in classes)
+    plain = shape_classes(512, max_num_seqs=64, split_of=_splits)
+    assert sides(plain, 4096) == ({"x16", "other"}, set())  # the gap
+    classes = shape_classes(512, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,), max_step_tokens=16384)
+    assert sides(classes, 4096) == ({"x16", "other"}, {"x16", "other"})
     for c in classes:
-        assert sum(c.q_lens) <= 16384 and all(q <= ctx for q, ctx in zip(c.q_lens, c.context_lens, strict=True))
-    # a budget whose pair already falls below the break, or that never reaches it, adds nothing
-    for tokens in (8192, 2048):
-        assert shape_classes(tokens, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,)) == \
-            shape_classes(tokens, max_num_seqs=64, split_of=_splits)
+        assert sum(c.q_lens) <= 16384 and all(q <= ctx <= 16384 for q, ctx in zip(c.q_lens, c.context_lens,
+                                                                                 strict=True))
+    # a budget of exactly the break reaches only its x16 side; one below it, nothing
+    assert sides(shape_classes(512, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,),
+                               max_step_tokens=4096), 4096)[1] == {"x16"}
+    assert shape_classes(512, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,),
+                         max_step_tokens=4095) == plain
+    # warm prefills past the break already (a large warm-up budget): the side below is added
+    big = shape_classes(16384, max_num_seqs=64, split_of=_splits, prefill_breaks=(4096,), max_step_tokens=16384)
+    assert sides(big, 4096) == ({"x16", "other"}, {"x16", "other"})
+    assert sides(shape_classes(16384, max_num_seqs=64, split_of=_splits), 4096)[0] == set()
 
 
 def test_the_prefill_kernel_changes_schedule_only_at_its_length_breaks():

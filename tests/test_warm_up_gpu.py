@@ -21,10 +21,12 @@ pytestmark = pytest.mark.gpu
 ONE_GPU = ["prefill=tp1", "decode=tp1", "drafter=none", "prefill.device=cuda", "decode.device=cuda",
            "decode.device_offset=0", "transfer=nccl", "tracking=off"]
 MONOLITHIC_DSPARK = ["mode=monolithic", "decode=tp1", "decode.device=cuda", "drafter=dspark", "tracking=off"]
-# bf16 at head dim 64 with 16,384 tokens a step: every prefill the warm-up's budget alone
-# makes is past the Gluon kernel's three-warpgroup break, and the mix's prompts are not.
+# bf16 at head dim 64 (a random two-layer Qwen3-0.6B shape) with 16,384 tokens a step: the warm-up's own prefills (512 tokens at
+# most) stay below the Gluon kernel's three-warpgroup break (4,096), and the mix adds a
+# 5,000-token prompt past it.
 D64_LARGE_BUDGET = ["mode=monolithic", "decode=tp1", "decode.device=cuda", "drafter=none", "tracking=off",
-                    "model.dtype=bf16", "model.max_model_len=16384", "decode.max_num_batched_tokens=16384"]
+                    "model=qwen3-0.6b", "model.path=null", "model.head_dim=64", "model.layers=2",
+                    "model.max_model_len=16384", "decode.max_num_batched_tokens=16384"]
 
 SERVE_A_MIX = textwrap.dedent("""
     import json, os, pathlib, sys
@@ -37,7 +39,7 @@ SERVE_A_MIX = textwrap.dedent("""
     with Deployment(compose(json.loads(sys.argv[1]))) as d:
         ready = kernels()
         vocab = d.vocab_size
-        lengths = [1, 5, 37, 130, 300, 700, 16, 64]
+        lengths = [1, 5, 37, 130, 300, 700, 16, 64] + json.loads(sys.argv[2])
         prompts = [[3 + (7 * i + n) % (vocab - 3) for i in range(n)] for n in lengths]
         greedy = SamplingParams(temperature=0, max_tokens=40)
         d.generate(prompts, greedy)  # all at once: mixed prefill and decode steps
@@ -56,15 +58,16 @@ SERVE_A_MIX = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("overrides", [ONE_GPU, MONOLITHIC_DSPARK, D64_LARGE_BUDGET],
+@pytest.mark.parametrize(("overrides", "more_lengths"), [(ONE_GPU, []), (MONOLITHIC_DSPARK, []),
+                                                          (D64_LARGE_BUDGET, [5000])],
                          ids=["one-gpu-pd", "monolithic-dspark", "d64-16k-budget"])
-def test_no_kernel_compiles_after_ready(tmp_path, overrides):
+def test_no_kernel_compiles_after_ready(tmp_path, overrides, more_lengths):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    done = subprocess.run([sys.executable, "-c", SERVE_A_MIX, json.dumps(overrides)], env=env,
+    done = subprocess.run([sys.executable, "-c", SERVE_A_MIX, json.dumps(overrides), json.dumps(more_lengths)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -100,6 +100,10 @@ class Stage:
     # New tokens a warm-up step takes at most (0: no warm-up), and the batch it covers.
     warm_tokens: int = 0
     max_num_seqs: int = 1
+    # The longest prompt part one step can carry (the step budget, the pool, a prompt
+    # shorter than the model's length): the warm-up meets each prefill-kernel length break
+    # up to it.
+    max_step_tokens: int = 0
     # P/D: this rank's end of the KV transfer, once the owner opened it, and its sender
     # (made at the first export; ``report_sent`` is where it reports, None: kept here).
     link: KVLink | None = None
@@ -280,6 +284,7 @@ def build_stage(graph: RunGraph, role: str, rank: int, device: torch.device) -> 
     return Stage(plan=me, config=cfg, folder=folder, model=model, kv=kv, runner=runner,
                  graphs=graphs, hidden_in=hidden_in, relayed_in=relayed_in, warm_tokens=warm,
                  max_num_seqs=par.max_num_seqs,
+                 max_step_tokens=min(par.max_num_batched_tokens, pool_tokens, served_max_model_len(graph, role, cfg) - 1),
                  drafting=drafting, draft_kv=draft_kv, drafted_graphs=drafted_graphs, piecewise=piecewise)
 
 

@@ -55,7 +55,7 @@ def decode_batches(max_rows: int, split_of, *, eager_from: int = 1) -> list[int]
 
 
 def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: int = 0,
-                  prefill_breaks: tuple[int, ...] = ()) -> list[ShapeClass]:
+                  prefill_breaks: tuple[int, ...] = (), max_step_tokens: int | None = None) -> list[ShapeClass]:
     """What a rank's steps can look like, within ``tokens`` new tokens a step (contexts
     too: the pool holds them). On CPU
     (``split_of`` None) only the decode op compiles: one decode step loads it. On a GPU:
@@ -64,8 +64,10 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
     split count of the decode kernel from one row up (short steps bring up to
     SHORT_STEP_ROWS rows). With ``num_drafts`` k, the verify is
     [anchor, k drafts]. ``prefill_breaks``: prompt lengths from which the prefill kernel is
-    another compile (``kernels/prefill_auto.length_breaks``): where the prefills above all
-    fall on one side of a break, a prefill just below it (both integer classes) joins them."""
+    another compile (``kernels/prefill_auto.length_breaks``): a side of a break that no
+    prefill above meets gets one of its own (both integer classes, up to
+    ``max_step_tokens``, the longest prompt part a step carries), however far past
+    ``tokens`` (its steps write nothing; their tables wrap the pool)."""
     n = max(1, tokens)
     if split_of is None:
         return [ShapeClass(name="decode", q_lens=(1,), context_lens=(n,))]
@@ -77,7 +79,7 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
     if n // 2 > SHORT_STEP_ROWS:
         half = n // 2 - 1 - (n // 2) % 2  # odd, and the pair stays above SHORT_STEP_ROWS
         classes.append(ShapeClass(name=f"prefill 2 x {half}", q_lens=(half, half), context_lens=(half, n)))
-    classes += _below_breaks(classes, n, prefill_breaks)
+    classes += _around_breaks(classes, prefill_breaks, max_step_tokens or n)
     short = min(n, SHORT_STEP_ROWS) - 1 or 1
     classes.append(ShapeClass(name=f"short step {short}", q_lens=(short,), context_lens=(n,)))
     verify = min(n, num_drafts + 1 if num_drafts else ROWS_AS_DECODE)
@@ -94,17 +96,25 @@ def shape_classes(tokens: int, *, max_num_seqs: int, split_of=None, num_drafts: 
     return classes
 
 
-def _below_breaks(prefills: list[ShapeClass], n: int, breaks: tuple[int, ...]) -> list[ShapeClass]:
-    """Prefills of ``break - 16`` (a multiple of 16 when the break is) and ``break - 1``
-    tokens for each break the ``prefills`` all reach (none of them starts below it): a
-    budget of 16,384 tokens makes even the two-sequence prefill 8,191 tokens long."""
+def _around_breaks(prefills: list[ShapeClass], breaks: tuple[int, ...], budget: int) -> list[ShapeClass]:
+    """For each break: prefills of ``break - 16`` and ``break - 1`` tokens when no prefill in
+    ``prefills`` is below it (past a short step), of ``break`` and ``break + 1`` when none
+    reaches it. The warm-up's own prefills stop at 512 tokens (``stage.WARM_UP_TOKENS``),
+    and the d64 Gluon kernel takes three warpgroups from 4,096: without these, the first
+    such prompt compiled it inside a request."""
+    longest = [max(c.q_lens) for c in prefills]
     extra = []
     for b in breaks:
-        if b - 16 <= SHORT_STEP_ROWS or b > n or any(max(c.q_lens) < b for c in prefills):
+        if b - 16 <= SHORT_STEP_ROWS or b > budget:
             continue
-        for q in (b - 16, b - 1):
-            extra.append(ShapeClass(name=f"prefill {q} (below a kernel break at {b})", q_lens=(q,),
-                                    context_lens=(n if q % 2 else q,)))
+        sides = []
+        if not any(SHORT_STEP_ROWS < n < b for n in longest):
+            sides += [b - 16, b - 1]
+        if not any(n >= b for n in longest):
+            sides += [b, b + 1]
+        for q in (q for q in sides if q <= budget):  # the odd length as a chunk after a prefix
+            extra.append(ShapeClass(name=f"prefill {q} (a kernel length break at {b})", q_lens=(q,),
+                                    context_lens=(min(q + 16 * (q % 2), budget),)))
     return extra
 
 
@@ -160,10 +170,11 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
 
         breaks = tuple(sorted({b for c in stage.kv.caches.values() for b in length_breaks(c.shape[-1])}))
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
-    # Contexts stay within warm_tokens, which the pool holds (build_stage caps it).
+    # Contexts stay within warm_tokens, which the pool holds (build_stage caps it), but for
+    # the prefills at the prefill kernel's length breaks: their tables wrap the pool.
     classes = shape_classes(stage.warm_tokens, max_num_seqs=stage.max_num_seqs, split_of=split_of,
                             num_drafts=stage.drafting.num_drafts if stage.drafting is not None else 0,
-                            prefill_breaks=breaks)
+                            prefill_breaks=breaks, max_step_tokens=stage.max_step_tokens)
     total = len(classes) + sum(g is not None for g in (stage.graphs, stage.drafted_graphs, stage.piecewise))
     dtype = next(stage.model.parameters()).dtype
     log_event("warm_up_begin", announce)
