@@ -182,3 +182,36 @@ def test_another_consumers_exports_land_while_a_forgotten_consumers_export_settl
         release.touch()
         if forget.is_alive():
             forget.join(timeout=REPORT_WAIT_S)
+
+
+def test_an_in_process_owner_is_told_when_an_export_settles():
+    """``on_settle`` is called on the consumer's thread after the report is kept (a served
+    prefill instance's loop wakes on it instead of finding the export on its next 2 ms
+    poll); a failed write settles, and tells, too. Without the call the wait times out."""
+    from pdflow.parallel.messages import KVExport
+
+    told = threading.Event()
+    sender = KVSender(None, role=PRODUCER, rank=0, device=CPU, on_settle=told.set)
+    try:
+        sender.start([KVExport(request_id="a", consumer="c", nonce=1, src_blocks=[0], dst_blocks=[0])])
+        assert told.wait(REPORT_WAIT_S)
+        (sent,) = sender.settled()
+        assert sent.request_ids == ["a"] and "no KV link" in sent.failed["a"]
+    finally:
+        sender.close()
+
+
+def test_the_in_process_executor_hands_its_settle_callback_to_the_stages_sender(graph_of):
+    from pdflow.worker.executors import InProcessExecutor
+
+    executor = InProcessExecutor(graph_of(*BASE), PRODUCER)
+    try:
+        def callback():
+            return None
+
+        executor.on_settled(callback)
+        assert executor.stage.on_settle is callback
+        executor.stage.export([])  # the sender, made at the first export, takes it
+        assert executor.stage.sender.on_settle is callback
+    finally:
+        executor.shutdown()

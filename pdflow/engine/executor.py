@@ -7,6 +7,7 @@ live in ``pdflow.worker.executors``: in this process (one rank) and one process 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from pdflow.graph import RunGraph, parallel_of
@@ -35,6 +36,12 @@ class Executor(Protocol):
         """P/D producer: requests whose KV exports settled on every rank since the last
         call (None: landed, else why not). Exports leave with a step and settle off the
         forward, on a later step; waits up to ``wait_s`` for one when none has."""
+        ...
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        """P/D producer: call ``callback`` when an export settles, from another thread (in
+        process; ranks in processes of their own report on their pipes, which ``settled``
+        reads when called: no call)."""
         ...
 
     def control(self, message: ControlMessage) -> list[Message]:

@@ -41,6 +41,9 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
         from pdflow.serve.pd_prefill import add_prefill_routes as add_routes
 
         backend, route_of = PrefillBackend(engine), None  # its API serves requests whole
+        # An export that settles ends the loop's wait: its answer goes out at once, not on
+        # the next poll (an in-process rank's; ranks of their own report on pipes).
+        engine.executor.on_settled(backend.wake)
     else:
         from pdflow.serve.pd_decode import DecodeBackend, prefill_route
         from pdflow.serve.pd_decode import add_decode_routes as add_routes

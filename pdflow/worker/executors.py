@@ -110,6 +110,14 @@ class InProcessExecutor:
         logits = stage.runner.logits(step, hidden) if drafted is None else None
         return stage.answer(step, logits, taps, graphed, drafted, stage.score_prompts(step, hidden))
 
+    def on_settled(self, callback) -> None:
+        """Call ``callback`` (no arguments, from the sender's thread) whenever an export
+        settles: the serving loop of a prefill instance waits for commands, not on ``settled``."""
+        if self.stage is not None:
+            self.stage.on_settle = callback
+            if self.stage.sender is not None:
+                self.stage.sender.on_settle = callback
+
     @on_own_device
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
         """Requests whose KV exports settled since the last call: None when they landed,
@@ -200,6 +208,10 @@ class MultiProcessExecutor:
         if not isinstance(out, StepOutput) or out.step != want:
             raise RuntimeError(f"expected StepOutput for step {want}, got {out!r:.200}")
         return out
+
+    def on_settled(self, callback) -> None:
+        """No call: the ranks report settled exports on their pipes, read by ``settled``
+        (a prefill instance of several ranks finds them on its loop's 2 ms poll)."""
 
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
         """Requests whose KV exports settled on every rank since the last call (None: they

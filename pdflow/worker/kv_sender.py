@@ -10,8 +10,8 @@ writes each request into every rank of that consumer at once (one lane per consu
 on a GPU each lane runs in its own stream, which first waits on an event recorded after
 the forward, so its reads order after the forward's writes while later forwards run).
 Settled requests are reported as ``KVSent``, one per consumer per step (to the owner's
-pipe, or kept for an in-process owner to take), whenever they settle: the owner learns of
-them on a later step, keyed by request id, and holds the requests' blocks on this side
+pipe, or kept for an in-process owner to take, who may ask to be told: ``on_settle``),
+whenever they settle: the owner learns of them on a later step, keyed by request id, and holds the requests' blocks on this side
 until then, so nothing reuses a block the sender still reads. ``close_consumer`` lets one
 consumer's exports in flight settle and stops its thread (before its peers are forgotten
 or replaced); the others' go on.
@@ -68,9 +68,12 @@ class KVSender:
     ``KVSent`` per step (None: they are kept for ``settled``)."""
 
     def __init__(self, link: KVLink | None, *, role: str, rank: int, device: torch.device,
-                 report: Callable[[KVSent], None] | None = None):
+                 report: Callable[[KVSent], None] | None = None, on_settle: Callable[[], None] | None = None):
         self.link, self.role, self.rank, self.device = link, role, rank, device
         self._report = report
+        # Called on a consumer's thread after each report: an in-process owner's loop that
+        # waits for commands wakes for the settled export instead of finding it on a poll.
+        self.on_settle = on_settle
         # Consumer instance id -> its lanes; touched only by the rank's thread (start, close).
         self._consumers: dict[str, _ConsumerLanes] = {}
         self._cond = threading.Condition()
@@ -136,6 +139,8 @@ class KVSender:
                 self._cond.notify_all()
             if self._report is not None:
                 self._report(sent)
+            if self.on_settle is not None:
+                self.on_settle()
 
     def _send(self, lanes: _ConsumerLanes, job: _Job) -> KVSent:
         failed: dict[str, str] = {}

@@ -109,6 +109,7 @@ class Stage:
     link: KVLink | None = None
     sender: KVSender | None = None
     report_sent: Callable[[KVSent], None] | None = None
+    on_settle: Callable[[], None] | None = None  # in process: told when an export settles
     # Speculative decoding, on the last stage when the graph plans a drafter: the drafter's
     # per-step part and its draft KV pool (units exported like the target's).
     drafting: Drafting | None = None
@@ -151,7 +152,7 @@ class Stage:
         the PP send) that wrote them is enqueued; they settle later (``KVSent``)."""
         if self.sender is None:
             self.sender = KVSender(self.link, role=self.plan.role, rank=self.plan.rank,
-                                   device=self.runner.device, report=self.report_sent)
+                                   device=self.runner.device, report=self.report_sent, on_settle=self.on_settle)
         self.sender.start(exports)
 
     def settled(self, wait_s: float = 0.0) -> list[KVSent]:
