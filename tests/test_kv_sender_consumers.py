@@ -206,12 +206,13 @@ def test_the_in_process_executor_hands_its_settle_callback_to_the_stages_sender(
 
     executor = InProcessExecutor(graph_of(*BASE), PRODUCER)
     try:
-        def callback():
-            return None
-
-        executor.on_settled(callback)
-        assert executor.stage.on_settle is callback
-        executor.stage.export([])  # the sender, made at the first export, takes it
-        assert executor.stage.sender.on_settle is callback
+        calls = []
+        executor.on_settled(lambda: calls.append("first"))
+        assert executor.stage.on_settle is not None
+        executor.stage.export([])  # the sender, made at the first export, calls the stage's hook
+        executor.stage.sender._on_settle()
+        executor.on_settled(lambda: calls.append("second"))  # set after the sender exists
+        executor.stage.sender._on_settle()
+        assert calls == ["first", "second"]
     finally:
         executor.shutdown()

@@ -115,8 +115,6 @@ class InProcessExecutor:
         settles: the serving loop of a prefill instance waits for commands, not on ``settled``."""
         if self.stage is not None:
             self.stage.on_settle = callback
-            if self.stage.sender is not None:
-                self.stage.sender.on_settle = callback
 
     @on_own_device
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:

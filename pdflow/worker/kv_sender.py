@@ -73,7 +73,7 @@ class KVSender:
         self._report = report
         # Called on a consumer's thread after each report: an in-process owner's loop that
         # waits for commands wakes for the settled export instead of finding it on a poll.
-        self.on_settle = on_settle
+        self._on_settle = on_settle
         # Consumer instance id -> its lanes; touched only by the rank's thread (start, close).
         self._consumers: dict[str, _ConsumerLanes] = {}
         self._cond = threading.Condition()
@@ -139,8 +139,8 @@ class KVSender:
                 self._cond.notify_all()
             if self._report is not None:
                 self._report(sent)
-            if self.on_settle is not None:
-                self.on_settle()
+            if self._on_settle is not None:
+                self._on_settle()
 
     def _send(self, lanes: _ConsumerLanes, job: _Job) -> KVSent:
         failed: dict[str, str] = {}

@@ -152,8 +152,13 @@ class Stage:
         the PP send) that wrote them is enqueued; they settle later (``KVSent``)."""
         if self.sender is None:
             self.sender = KVSender(self.link, role=self.plan.role, rank=self.plan.rank,
-                                   device=self.runner.device, report=self.report_sent, on_settle=self.on_settle)
+                                   device=self.runner.device, report=self.report_sent, on_settle=self._settled_one)
         self.sender.start(exports)
+
+    def _settled_one(self) -> None:
+        """The sender's call after each report: ``on_settle``'s, whenever that was set."""
+        if self.on_settle is not None:
+            self.on_settle()
 
     def settled(self, wait_s: float = 0.0) -> list[KVSent]:
         """In process: the exports settled since the last call (``KVSender.settled``)."""
