@@ -304,10 +304,10 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
         block_n = (128 if wide else 64) if block_m <= 64 else 32
     v_pages = v_pages and quant and page < block_n  # False: V as one [tokens, D] tile (A/B)
     narrow = v_pages and nx == 0
-    if nx > 0 and not quant and itemsize <= 2 and head_dim <= 64:  # the d64 16-bit block pass
-        return DecodeTiles(block_n=block_n, num_warps=2, num_stages=3 if cuda else 1, v_pages=False)
-    return DecodeTiles(block_n=block_n, num_warps=2 if narrow else 4,
-                       num_stages=(2 if narrow else 4) if cuda else 1, v_pages=v_pages)
+    small_block = nx > 0 and not quant and itemsize <= 2 and head_dim <= 64  # the d64 16-bit block pass
+    stages = 2 if narrow else 3 if small_block else 4
+    return DecodeTiles(block_n=block_n, num_warps=2 if narrow or small_block else 4,
+                       num_stages=stages if cuda else 1, v_pages=v_pages)
 
 
 def paged_attention(
