@@ -13,6 +13,8 @@ until the release, and the test fails.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from pdflow import Deployment, SamplingParams, compose
 from pdflow.engine.sequence import KVTarget, SequenceStatus
 from pdflow.worker import faults
 
+SETTLE_WAIT_S = 30.0  # a liveness bound: the release lands within a second
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 BASE = ["drafter=none", "transfer=nccl", "transfer.timeout_s=20", "transfer.staging_mib=1",
         "prefill.block_size=32", "decode.block_size=32", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16",
@@ -101,6 +104,34 @@ def test_a_held_export_does_not_stop_the_producer_and_lands_as_one_process(prefi
         tokens = _decode(d, firsts)
         assert d.consumer.num_free_kv_blocks == d.consumer.num_kv_blocks
     assert [tokens["a"], tokens["b"]] == _monolithic(prompts, prefill[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill", [["prefill=tp1"], ["prefill=pp2"]], ids=["in-process", "rank-processes"])
+def test_the_owner_is_told_when_an_export_settles_without_stepping(prefill, tmp_path, monkeypatch):
+    """``Executor.on_settled``'s callback (a served prefill instance's wake) runs when the
+    held export is released, while the owner does nothing: the in-process sender calls it,
+    and for ranks of their own a watch on their pipes does (with the no-op it replaced, the
+    wait runs out)."""
+    release = tmp_path / "release"
+    monkeypatch.setenv(faults.ENV, "export:prefill:0:hold")
+    monkeypatch.setenv(faults.RELEASE_ENV, str(release))
+    with Deployment(compose([*BASE, *prefill, "prefill.step_timeout_s=60"])) as d:
+        producer, told = d.producer, threading.Event()
+        producer.executor.on_settled(told.set)
+        _admit(d, "a", _prompts()[0])
+        producer.submit()
+        assert producer.collect(wait=False) == []  # sent, held: nothing settled yet
+        time.sleep(0.3)  # under PP the other stage's rank reports its part meanwhile (it woke the watch)
+        assert producer.collect(wait=False) == []  # read: still held on rank 0
+        told.clear()
+        assert not told.wait(0.3)  # nothing more comes while it is held
+        release.touch()
+        assert told.wait(SETTLE_WAIT_S)  # the owner has not stepped since
+        firsts = []
+        while producer.has_unfinished():
+            firsts += producer.step()
+        assert [o.request_id for o in firsts] == ["a"] and firsts[0].kv_error is None
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ request, and instances of another run graph or the wrong role are refused by nam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -32,9 +33,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
 URL = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
 
 
-def _start(role: str, *extra: str) -> subprocess.Popen:
+def _start(role: str, *extra: str, spec: list[str] = SPEC) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pdflow.cli", "serve", f"role={role}", "serve.port=0",
-                             *SPEC, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             *spec, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=ENV, start_new_session=True)
 
 
@@ -61,14 +62,14 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
-@pytest.fixture(scope="module")
-def separate():
+@contextlib.contextmanager
+def _instances(spec: list[str]):
     procs = []
     try:
-        procs.append(_start("decode"))
-        procs.append(_start("prefill"))
+        procs.append(_start("decode", spec=spec))
+        procs.append(_start("prefill", spec=spec))
         decode, prefill = _url_of(procs[0]), _url_of(procs[1])
-        procs.append(_start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{decode}]"))
+        procs.append(_start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{decode}]", spec=spec))
         router = _url_of(procs[2])
         yield {"router": router, "prefill": prefill, "decode": decode}
     finally:
@@ -77,6 +78,12 @@ def separate():
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def separate():
+    with _instances(SPEC) as urls:
+        yield urls
 
 
 def _complete(url: str, prompt: str, *, stream: bool = False) -> str:
@@ -103,6 +110,20 @@ def test_separate_instances_serve_the_deployments_greedy_tokens(separate):
     assert got == expected
     card = httpx.get(separate["prefill"] + "/pdflow/instance", timeout=10).json()
     assert card["role"] == "prefill" and card["prefills"] == len(PROMPTS)  # the producer did prefill
+
+
+def test_a_prefill_instance_of_two_rank_processes_serves_the_deployments_greedy_tokens():
+    """PP2 prefill: the ranks are processes of their own, and the instance's loop learns
+    that an export settled from the watch on their pipes (``Executor.on_settled``)."""
+    spec = ["prefill=pp2", *SPEC[1:]]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with Deployment(compose(spec)) as d:
+        expected = [o.text for o in d.generate([d.tokenizer.encode(p) for p in PROMPTS], greedy)]
+    with _instances(spec) as urls:
+        got = [_complete(urls["router"], p, stream=i == 1) for i, p in enumerate(PROMPTS)]
+        card = httpx.get(urls["prefill"] + "/pdflow/instance", timeout=10).json()
+    assert got == expected
+    assert card["prefills"] == len(PROMPTS)
 
 
 def test_echo_logprobs_through_separate_instances_equal_the_deployments(separate):

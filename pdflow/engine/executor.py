@@ -39,9 +39,9 @@ class Executor(Protocol):
         ...
 
     def on_settled(self, callback: Callable[[], None]) -> None:
-        """P/D producer: call ``callback`` when an export settles, from another thread (in
-        process; ranks in processes of their own report on their pipes, which ``settled``
-        reads when called: no call)."""
+        """P/D producer: call ``callback`` when an export settles, from another thread (the
+        in-process sender's; for ranks of their own, a watch on their pipes, which only
+        ``settled`` reads): the owner's loop waits for commands, not on ``settled``."""
         ...
 
     def control(self, message: ControlMessage) -> list[Message]:

@@ -121,6 +121,11 @@ class Launcher(ABC):
         """Whether ``rank`` has sent a message not yet received (a ``recv`` returns at once)."""
         raise NotImplementedError(f"{type(self).__name__} cannot poll its ranks")
 
+    def report_handles(self) -> list:
+        """What ``multiprocessing.connection.wait`` can watch for the ranks' messages (none:
+        an owner that would be woken by them polls instead)."""
+        return []
+
     @property
     @abstractmethod
     def pids(self) -> list[int]: ...
@@ -217,6 +222,9 @@ class LocalLauncher(Launcher):
             self._conns[rank].send_bytes(encode(message))
         except (BrokenPipeError, OSError) as err:
             self._fail(rank, f"pipe closed ({err})")
+
+    def report_handles(self) -> list:
+        return list(self._conns)
 
     def has_message(self, rank: int) -> bool:
         try:

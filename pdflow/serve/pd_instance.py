@@ -42,7 +42,8 @@ def instance_app(spec: RunSpec, stack: contextlib.ExitStack, *, api_key: str | N
 
         backend, route_of = PrefillBackend(engine), None  # its API serves requests whole
         # An export that settles ends the loop's wait: its answer goes out at once, not on
-        # the next poll (an in-process rank's; ranks of their own report on pipes).
+        # the next poll (an in-process rank's sender calls it; ranks of their own, a watch
+        # on their pipes).
         engine.executor.on_settled(backend.wake)
     else:
         from pdflow.serve.pd_decode import DecodeBackend, prefill_route

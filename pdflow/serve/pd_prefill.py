@@ -136,8 +136,8 @@ class PrefillBackend(EngineFacts):
 
     def _idle(self) -> None:
         """Wait ``IDLE_SLEEP_S``, or until ``wake``: a command that came meanwhile (a
-        prefill, an abort) or an export that settled (``pd_instance`` has an in-process
-        rank's sender call ``wake``) is taken at once."""
+        prefill, an abort) or an export that settled (``pd_instance`` has the executor call
+        ``wake``: ``Executor.on_settled``) is taken at once."""
         self._woken.wait(IDLE_SLEEP_S)
         self._woken.clear()  # a wake after the wait ended: the loop takes its commands next anyway
 

@@ -14,6 +14,7 @@ from pdflow.graph import RunGraph, overlap_scheduling, parallel_of
 from pdflow.parallel.groups import driver_rank
 from pdflow.parallel.launcher import Launcher, LocalLauncher
 from pdflow.parallel.messages import ControlMessage, KVSent, Message, StepInput, StepOutput
+from pdflow.parallel.readable_watch import ReadableWatch
 from pdflow.worker.control import handle_control
 from pdflow.worker.overlap_step import LaunchedStep, launch
 from pdflow.worker.stage import Stage, build_stage, rank_device
@@ -183,6 +184,7 @@ class MultiProcessExecutor:
         self._settled: dict[str, str | None] = {}
         self.max_in_flight = 0  # the most steps ever in flight at once (reported, tested)
         self.kv_bytes_sent = 0  # P/D producer: KV bytes every rank moved (KVSent.nbytes)
+        self._watch: ReadableWatch | None = None  # ``on_settled``'s: armed while exports are owed
 
     @property
     def pids(self) -> list[int]:
@@ -194,6 +196,8 @@ class MultiProcessExecutor:
         self.launcher.broadcast(step)
         for export in step.exports:  # every rank sends its units and reports (KVSent)
             self._owed[export.request_id] = set(range(self.world_size))
+        if step.exports and self._watch is not None:
+            self._watch.arm()
         self._pending.append(step.step)
         self.max_in_flight = max(self.max_in_flight, len(self._pending))
 
@@ -208,8 +212,13 @@ class MultiProcessExecutor:
         return out
 
     def on_settled(self, callback) -> None:
-        """No call: the ranks report settled exports on their pipes, read by ``settled``
-        (a prefill instance of several ranks finds them on its loop's 2 ms poll)."""
+        """Call ``callback`` (no arguments, from a watch thread) when a rank's pipe turns
+        readable while exports are owed: the ranks report settled exports there, and only
+        ``settled`` reads them, on the owner's thread (which the callback wakes)."""
+        if self._watch is None:
+            self._watch = ReadableWatch(self.launcher.report_handles, callback)
+            if self._owed:
+                self._watch.arm()
 
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
         """Requests whose KV exports settled on every rank since the last call (None: they
@@ -225,6 +234,10 @@ class MultiProcessExecutor:
             msg = self._recv(rank, wait_s)
             if not isinstance(msg, KVSent):
                 self._answers.append(msg)
+        if self._watch is not None and self._owed:  # what was there is read: wake on the next report
+            self._watch.arm()
+        elif self._watch is not None:
+            self._watch.disarm()
         out, self._settled = self._settled, {}
         return out
 
@@ -268,4 +281,7 @@ class MultiProcessExecutor:
         return self.collect()
 
     def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.launcher.shutdown()
