@@ -79,18 +79,25 @@ if gluon is not None:
         return bars
 
     @gluon.jit
-    def _work(tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q: gl.constexpr, BM: gl.constexpr,
+    def _work(tile, n_bh, n_m, hg, cu_ptr, lens_ptr, H_Q: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr):
         """Work item ``tile``: ``prefill_tile``'s mapping (heaviest causal tiles first) with
-        one query head per item; K/V tiles [0, n_full) need no mask, n_tiles in all (0 for
-        a tile past the sequence's queries)."""
+        one query head per item, within sections of ``hg`` query heads (whole KV heads) run
+        one after another, so the programs on the chip at once read the K/V of a section
+        only (FA3's L2 swizzle; ``hg == H_Q`` is one section); K/V tiles [0, n_full) need no
+        mask, n_tiles in all (0 for a tile past the sequence's queries)."""
+        n_bg = (n_bh // H_Q) * hg  # items of one query tile in a section (sequences x heads)
+        sec = tile // (n_m * n_bg)
+        r = tile % (n_m * n_bg)
+        x = r % n_bg
+        tile = (r // n_bg) * n_bh + (x // hg) * H_Q + sec * hg + x % hg  # prefill_tile's index
         mt, b, h, q_start, q_len, base, full_end, diag_end = prefill_tile(
             tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q, BM, BN)
         return mt, b, h, q_start, q_len, base, base + q_len, full_end // BN, (diag_end + BN - 1) // BN
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt, cu_ptr,
-                lens_ptr, n_bh, n_m, n_work, nprog, H_Q: gl.constexpr, H_KV: gl.constexpr,
+                lens_ptr, n_bh, n_m, hg, n_work, nprog, H_Q: gl.constexpr, H_KV: gl.constexpr,
                 PAGE: gl.constexpr, PPB: gl.constexpr):
         NC: gl.constexpr = q_smem.shape[0]  # consumer warpgroups, one Q box of 64 rows each
         R: gl.constexpr = q_smem.shape[1]
@@ -104,7 +111,7 @@ if gluon is not None:
         n_done = 0
         for tile in range(gl.program_id(0), n_work, nprog):
             mt, b, h, q_start, q_len, base, ctx, n_full, n_tiles = _work(
-                tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q, BM, BN)
+                tile, n_bh, n_m, hg, cu_ptr, lens_ptr, H_Q, BM, BN)
             if n_tiles > 0:
                 mbarrier.wait(bars.q_empty, (n_done & 1) ^ 1)
                 mbarrier.expect(bars.q_ready, NC * q_desc.block_type.nbytes)
@@ -262,7 +269,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr, n_bh, n_m,
-                  n_work, nprog, scale_log2, half: gl.constexpr, H_Q: gl.constexpr,
+                  hg, n_work, nprog, scale_log2, half: gl.constexpr, H_Q: gl.constexpr,
                   PINGPONG: gl.constexpr):
         BM: gl.constexpr = q_smem.shape[0] * q_smem.shape[1]
         BN: gl.constexpr = k_smem.shape[1]
@@ -273,16 +280,16 @@ if gluon is not None:
         n_done = 0
         for tile in range(gl.program_id(0), n_work, nprog):
             mt, b, h, q_start, q_len, base, ctx, n_full, n_tiles = _work(
-                tile, n_bh, n_m, cu_ptr, lens_ptr, H_Q, BM, BN)
+                tile, n_bh, n_m, hg, cu_ptr, lens_ptr, H_Q, BM, BN)
             if n_tiles > 0:
                 it, turn, n_fix = _attend(q, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, q_start,
                                           q_len, base, mt, h, ctx, n_full, n_tiles, scale_log2,
                                           it, turn, n_fix, n_done, half, PINGPONG, BM)
                 n_done += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["hg"])  # the section size never makes another compile
     def _prefill_gluon_kernel(q_desc, k_desc, v_desc, cu_ptr, lens_ptr, bt_ptr, o_ptr,
-                              scale_log2, n_bh, n_m, n_work, nprog, s_ot, s_oh, s_bt,
+                              scale_log2, n_bh, n_m, hg, n_work, nprog, s_ot, s_oh, s_bt,
                               H_Q: gl.constexpr, H_KV: gl.constexpr, D: gl.constexpr,
                               PAGE: gl.constexpr, PPB: gl.constexpr, BM: gl.constexpr,
                               BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr,
@@ -296,13 +303,13 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                                 n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q,
+                                 n_bh, n_m, hg, n_work, nprog, scale_log2, 0, H_Q,
                                  PINGPONG)),  # rows 0-63 of the tile
                     (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                                 n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q,
+                                 n_bh, n_m, hg, n_work, nprog, scale_log2, 1, H_Q,
                                  PINGPONG)),  # rows 64-127
                     (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
-                               cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
+                               cu_ptr, lens_ptr, n_bh, n_m, hg, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
                 ],
                 worker_num_warps=[4, 1],
                 worker_num_regs=[CONSUMER_REGS, 24],
@@ -311,13 +318,13 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                                 n_bh, n_m, n_work, nprog, scale_log2, 0, H_Q, False)),
+                                 n_bh, n_m, hg, n_work, nprog, scale_log2, 0, H_Q, False)),
                     (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                                 n_bh, n_m, n_work, nprog, scale_log2, 1, H_Q, False)),
+                                 n_bh, n_m, hg, n_work, nprog, scale_log2, 1, H_Q, False)),
                     (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, s_ot, s_oh, cu_ptr, lens_ptr,
-                                 n_bh, n_m, n_work, nprog, scale_log2, 2, H_Q, False)),
+                                 n_bh, n_m, hg, n_work, nprog, scale_log2, 2, H_Q, False)),
                     (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bt_ptr, s_bt,
-                               cu_ptr, lens_ptr, n_bh, n_m, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
+                               cu_ptr, lens_ptr, n_bh, n_m, hg, n_work, nprog, H_Q, H_KV, PAGE, PPB)),
                 ],
                 worker_num_warps=[4, 4, 1],
                 worker_num_regs=[CONSUMER_REGS, CONSUMER_REGS, 24],

@@ -116,3 +116,18 @@ def test_a_gluon_failure_falls_back_once(monkeypatch):
     assert PA.kernel_for(*args[:3]) != "gluon"
     _check(args, 64)
     assert calls == [1]
+
+
+def test_the_gluon_work_order_sections_heads_only_past_l2():
+    """``default_head_group``: all query heads (the plain heaviest-first order) while the
+    step's K/V fit ``L2_KV_BYTES``; past that, sections of whole KV heads whose K/V fit
+    (bf16 K and V of 32K tokens x d128 are 16 MiB a KV head: two a section)."""
+    f = PG.default_head_group
+    assert [f(32, 8, 128, t) for t in (1, 2048, 8192, 8193, 16384, 32768, 65536, 10**6)] == \
+        [32, 32, 32, 16, 16, 8, 4, 4]
+    assert [f(32, 8, 64, t) for t in (8192, 16384, 32768, 65536)] == [32, 32, 16, 8]
+    for h_q, h_kv in ((32, 8), (8, 8), (16, 2), (24, 6), (12, 3)):
+        for t in (1, 5000, 40000, 300000):
+            hg = f(h_q, h_kv, 128, t)
+            assert h_q % hg == 0 and hg % (h_q // h_kv) == 0, (h_q, h_kv, t, hg)
+    assert f(12, 3, 128, 2048) == 12 and f(12, 3, 128, 32768) == 4  # 3 KV heads: all, or one

@@ -33,8 +33,12 @@ def _inputs(lens, qlens, h_q, h_kv, seed=0, d=128, page=128, ppb=1):
     ([4200, 300], [4200, 44], 8, 4, 64),            # d64 from 4096 tokens: three warpgroups
 ])
 @pytest.mark.parametrize("knobs", [{}, dict(persistent=True), dict(stages=3, pingpong=True),
-                                   dict(consumers=3), dict(consumers=3, persistent=True)])
+                                   dict(consumers=3), dict(consumers=3, persistent=True),
+                                   dict(head_group="kv"), dict(head_group="kv", persistent=True)])
 def test_matches_reference(lens, qlens, h_q, h_kv, d, knobs):
+    """``head_group="kv"``: the work order in sections of one KV head's query heads."""
+    if knobs.get("head_group") == "kv":
+        knobs = {**knobs, "head_group": h_q // h_kv}
     args = _inputs(lens, qlens, h_q, h_kv, d=d)
     assert PG.gluon_applies(*args[:3])
     got = PG.prefill_attention_gluon(*args, d**-0.5, out=torch.full_like(args[0], float("nan")),
@@ -87,6 +91,8 @@ def test_refuses_what_it_cannot_run():
     args = _inputs([20], [20], 8, 2)
     with pytest.raises(ValueError, match="ping-pong only with 2"):
         PG.prefill_attention_gluon(*args, 1.0, consumers=3, pingpong=True)
+    with pytest.raises(ValueError, match="whole KV heads"):
+        PG.prefill_attention_gluon(*args, 1.0, head_group=2)  # half of a KV head's 4 query heads
 
 
 def test_launches_again_without_binding_and_stays_exact():
