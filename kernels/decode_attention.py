@@ -16,17 +16,20 @@ no select on its scores except in a split's partial last tile (its tokens past t
 re-read the last real one), and the running max kept on the raw dot so that the softmax
 scale folds into one FMA with the max's subtraction (the DSpark block pass, 32 rows where
 a decode has 4, ran 1.04-1.06x faster at d128 and 1.07-1.10x at d64 on the H200:
-bench/KERNEL_NOTES.md row 51). An fp8 cache (``k_scale``/``v_scale`` given) keeps its
-masks (row 51) and is only converted (e4m3 is exact in 16 bits;
+bench/KERNEL_NOTES.md row 51). An fp8 cache (``k_scale``/``v_scale`` given) is only
+converted (e4m3 is exact in 16 bits;
 a bf16 q goes to fp16 for the dots, since e4m3 -> fp16 is one instruction per two values
 and -> bf16 two), K loaded transposed so its tile feeds the dot as the 16-bit path's does,
 V from its transposed head pages ([D, page], kernels/reference.py: the PV dot's operand
 needs no byte-wise transpose in shared memory; 1.3-1.9x V stored [page, D] on the H200,
 bench/KERNEL_NOTES.md), read a page at a time when pages are shorter than the tile
 (``V_PAGES``: [pages, D, page], so a warp reads a page's rows whole; 1.2-1.26x the tile's
-[tokens, D] read at page 16 on the H200); each token-head's power-of-two scale (its byte
-exponent, kernels/kv_quant.py) is applied to the score and p columns instead of every
-element: the same products. The scale bytes are read a page row at a time, a tile ahead
+[tokens, D] read at page 16 on the H200), and then K too ([pages, page, D], from the same
+block-table read per page) with no token mask and the 16-bit loop's branch-only select
+(1.08-1.13x at page 16 on the H200, row 53; at pages as long as the tile K keeps its token
+masks, row 51); each token-head's power-of-two scale (its byte exponent,
+kernels/kv_quant.py) is applied to the score and p columns instead of every element: the
+same products. The scale bytes are read a page row at a time, a tile ahead
 (1.17-1.24x the per-element dequantization on the H200: bench/RESULTS.md).
 """
 
@@ -91,19 +94,22 @@ def _online_step(q, k, v, ok, m_i, l_i, acc, c, SCALED: tl.constexpr, DOT_PREC: 
 
 
 @triton.jit
-def _online_step_fp8(q, k_t, v, sk, sv, ok, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
+def _online_step_fp8(q, k_t, v, sk, sv, ok, partial, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr,
                      UPCAST: tl.constexpr):
     """``_online_step`` over an fp8 tile: ``k_t`` [D, N] and ``v`` [N, D] only converted
     (e4m3 is exact in 16 bits), their power-of-two scales ``sk``/``sv`` [N] applied to the
     score and p columns instead of every element: the same products, since scaling by a
     power of two is exact in fp32 and commutes with rounding to 16 bits. K comes already
     transposed (loaded as [D, N]), so no 8-bit transpose goes through shared memory. The
-    scores are in log2 units (``scale_log2`` folded into the column scales), every tile's
-    columns past ``end`` masked: the 16-bit loop's unmasked form measured no gain here
-    beyond its A/B's order bias, and ptxas gave it 141-150 registers at page 128 against
-    121 (three programs an SM, not four: bench/KERNEL_NOTES.md row 51)."""
+    scores are in log2 units (``scale_log2`` folded into the column scales); ``partial``
+    (a tile running past ``end``, or every tile where K is loaded with token masks) selects
+    -inf past ``end``. At pages as long as the tile the unmasked form measured no gain beyond
+    its A/B's order bias, and ptxas gave it 141-150 registers at page 128 against 121
+    (three programs an SM, not four: bench/KERNEL_NOTES.md row 51); read a page at a time
+    (pages shorter than the tile), it is what lets K skip the per-token offsets (row 53)."""
     s = mma(q, k_t, DOT_PREC, UPCAST) * (sk * scale_log2)[None, :]
-    s = tl.where(ok[None, :], s, float("-inf"))
+    if partial:  # columns past ``end`` (their K may be stale bytes): -inf
+        s = tl.where(ok[None, :], s, float("-inf"))
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, scale_log2, True)
     acc = acc * alpha[:, None] + mma((p * sv[None, :]).to(v.dtype), v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
@@ -166,12 +172,12 @@ def _paged_split_kernel(
     # whole program takes or skips); its tokens past ``end`` re-read token ``end - 1`` (a
     # real one: no stale NaN can meet p = 0 in the PV dot). With the FMA-folded scale
     # (``_softmax_step``) the DSpark block pass's loop runs 1.04-1.05x faster at d128
-    # (bench/KERNEL_NOTES.md row 51). An fp8 tile keeps its masks (below).
+    # (bench/KERNEL_NOTES.md row 51). An fp8 tile read a page at a time does the same
+    # (row 53); one read per token keeps its masks (below).
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
         if QUANT:
-            tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
             ek = ek_next
             ev = ev_next
             ek_next = row_scales(ks_ptr, blk_next, n0 + BLOCK_N, kvh, s_sb, s_sp, s_sh, PAGE, PPB, BLOCK_N, SW)
@@ -179,27 +185,38 @@ def _paged_split_kernel(
             blk_next = scale_rows(bt_row, n0 + 2 * BLOCK_N, end, PAGE, PPB, BLOCK_N, SW)
             sk = scales_of(ek, ok, BLOCK_N)
             sv = scales_of(ev, ok, BLOCK_N)
-            k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
             # V's head page is stored [D, PAGE]: a column of V is PAGE contiguous tokens.
             # No token mask (it would split the contiguous runs) and no zeroing (an
             # elementwise op on V sends the tile through shared memory again in 16 bits):
-            # a token past the context reads a real page (block 0 at worst) whose bytes
-            # the writer never leaves NaN (kv_quant), and its p is exactly 0.
-            if V_PAGES:  # pages shorter than the tile: read as [pages, D, PAGE], a page's rows whole
-                first = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
-                start_t = tl.multiple_of(page_offsets(bt_row, first, first < end, kvh, s_cb, s_cp, s_ch, s_ct,
+            # a token past the context reads a real page whose bytes the writer never
+            # leaves NaN (kv_quant), and its p is exactly 0.
+            if V_PAGES:
+                # Pages shorter than the tile: K as [pages, PAGE, D] and V as [pages, D, PAGE]
+                # from one block-table read per page (not per token), a page's rows whole;
+                # pages past ``end`` re-read the last one, K's tokens past it are unmasked
+                # and only a split's partial last tile selects its scores (as the 16-bit
+                # loop): 0.78x the loop's instructions at page 16 (bench/KERNEL_NOTES.md row 53).
+                first = tl.minimum(n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE, (end - 1) // PAGE * PAGE)
+                start_t = tl.multiple_of(page_offsets(bt_row, first, None, kvh, s_cb, s_cp, s_ch, s_ct,
                                                       PAGE, PPB), PAGE)
                 in_page = tl.arange(0, PAGE)
+                k3 = tl.load(kc_ptr + start_t[:, None, None] + in_page[None, :, None] * s_ct + d[None, None, :],
+                             mask=d_ok[None, None, :], other=0.0)
+                k_t = tl.trans(tl.reshape(k3, (BLOCK_N, BLOCK_D)))
                 v3 = tl.load(vc_ptr + start_t[:, None, None] + d[None, :, None] * PAGE + in_page[None, None, :],
                              mask=d_ok[None, :, None], other=0.0)
                 v = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+                partial = n0 + BLOCK_N > end
             else:
+                tok = page_offsets(bt_row, pos, ok, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
+                k_t = tl.load(kc_ptr + tok[None, :] + d[:, None], mask=d_ok[:, None] & ok[None, :], other=0.0)
                 # Written out, not _common.v_column: through the call, triton 3.6 lost these
                 # hints and read V a byte at a time (2.5-3x slower on the H200).
                 t_in = pos % PAGE
                 v_col = tl.max_contiguous(tl.multiple_of(tok - t_in * s_ct + t_in, SW), SW)
                 v = tl.load(vc_ptr + v_col[:, None] + d[None, :] * PAGE, mask=d_ok[None, :], other=0.0)
-            m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, m_i, l_i,
+                partial = True
+            m_i, l_i, acc = _online_step_fp8(q8, k_t.to(q8.dtype), v.to(q8.dtype), sk, sv, ok, partial, m_i, l_i,
                                              acc, scale_log2, DOT_PREC, UPCAST)
         else:
             tok = page_offsets(bt_row, tl.minimum(pos, end - 1), None, kvh, s_cb, s_cp, s_ch, s_ct, PAGE, PPB)
