@@ -112,6 +112,11 @@ def graph_ms(run, fn) -> float:
         return run.time_ms(fn)
     import triton.testing
 
+    # do_bench_cudagraph runs ``fn`` on a stream of its own, which does not wait for the
+    # current one: inputs just made there (a random cache, its block table and lengths)
+    # may not be written yet when its first launches read them. Two runs ended in an
+    # illegal memory access right after making the 8K page-128 inputs (bench/RESULTS.md).
+    torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
