@@ -23,6 +23,7 @@ from pdflow.serve.backend import LLMBackend
 from pdflow.serve.router import create_router
 from pdflow.serve.server import ServerThread
 from pdflow.worker.faults import ENV as FAULT_ENV
+from pdflow.worker.faults import RELEASE_ENV
 
 pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -249,14 +250,24 @@ def test_a_failed_transfer_is_a_502_and_the_deployment_serves_on(stack, monkeypa
     _served_after(stack)
 
 
-def test_a_request_past_its_timeout_is_aborted_and_answered_in_time(stack):
+def test_a_request_past_its_timeout_is_aborted_and_answered_in_time(stack, monkeypatch, tmp_path):
+    # Its prompt's KV transfer is held until released, so it cannot finish in time however
+    # fast the engine runs (88 tokens alone took under the timeout on an idle machine).
+    release = tmp_path / "release"
+    monkeypatch.setenv(FAULT_ENV, "export:prefill:0:hold")
+    monkeypatch.setenv(RELEASE_ENV, str(release))
     start = time.monotonic()
-    r = _complete(stack.timed_router, max_tokens=MAX_MODEL_LEN - 8)
-    took = time.monotonic() - start
+    try:
+        r = _complete(stack.timed_router, max_tokens=MAX_MODEL_LEN - 8)
+        took = time.monotonic() - start
+    finally:
+        release.touch()
+        monkeypatch.delenv(FAULT_ENV)
     # the instance's own 503 passes through the router, its reason and code with it
     err = _assert_openai_error(r, 503, "request_timeout")
     assert f"within {REQUEST_TIMEOUT_S:g} s" in err["message"] and "retry-after" not in r.headers
     assert took < REQUEST_TIMEOUT_S + 5.0, f"answered after {took:.1f} s"
+    stack.assert_no_leak()  # the held export settled after the release: its blocks came back
     _served_after(stack)
 
 
