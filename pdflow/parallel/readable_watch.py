@@ -18,11 +18,12 @@ CHECK_CLOSED_S = 0.5  # how often a waiting watch looks whether it was closed
 
 
 class ReadableWatch:
-    """Calls ``callback`` (from its own thread) once one of ``handles()`` (objects
-    ``multiprocessing.connection.wait`` takes) is readable while armed, then disarms."""
+    """Calls ``callback`` (from its own thread; the owner may replace it) once one of
+    ``handles()`` (objects ``multiprocessing.connection.wait`` takes) is readable while
+    armed, then disarms."""
 
     def __init__(self, handles: Callable[[], list], callback: Callable[[], None]):
-        self._handles, self._callback = handles, callback
+        self._handles, self.callback = handles, callback
         self._armed = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pdflow-readable-watch", daemon=True)
@@ -50,4 +51,4 @@ class ReadableWatch:
                 return
             if ready and self._armed.is_set() and not self._closed:
                 self._armed.clear()
-                self._callback()
+                self.callback()

@@ -214,11 +214,14 @@ class MultiProcessExecutor:
     def on_settled(self, callback) -> None:
         """Call ``callback`` (no arguments, from a watch thread) when a rank's pipe turns
         readable while exports are owed: the ranks report settled exports there, and only
-        ``settled`` reads them, on the owner's thread (which the callback wakes)."""
-        if self._watch is None:
-            self._watch = ReadableWatch(self.launcher.report_handles, callback)
-            if self._owed:
-                self._watch.arm()
+        ``settled`` reads them, on the owner's thread (which the callback wakes). A later
+        call replaces the callback, as in process."""
+        if self._watch is not None:
+            self._watch.callback = callback
+            return
+        self._watch = ReadableWatch(self.launcher.report_handles, callback)
+        if self._owed:
+            self._watch.arm()
 
     def settled(self, wait_s: float = 0.0) -> dict[str, str | None]:
         """Requests whose KV exports settled on every rank since the last call (None: they

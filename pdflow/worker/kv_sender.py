@@ -11,10 +11,10 @@ on a GPU each lane runs in its own stream, which first waits on an event recorde
 the forward, so its reads order after the forward's writes while later forwards run).
 Settled requests are reported as ``KVSent``, one per consumer per step (to the owner's
 pipe, or kept for an in-process owner to take, who may ask to be told: ``on_settle``),
-whenever they settle: the owner learns of them on a later step, keyed by request id, and holds the requests' blocks on this side
-until then, so nothing reuses a block the sender still reads. ``close_consumer`` lets one
-consumer's exports in flight settle and stops its thread (before its peers are forgotten
-or replaced); the others' go on.
+whenever they settle: the owner learns of them on a later step, keyed by request id, and
+holds the requests' blocks on this side until then, so nothing reuses a block the sender
+still reads. ``close_consumer`` lets one consumer's exports in flight settle and stops its
+thread (before its peers are forgotten or replaced); the others' go on.
 """
 
 from __future__ import annotations
