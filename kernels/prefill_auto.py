@@ -41,12 +41,13 @@ def uses_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and tma_kv_mode(k_cache, v_cache) != 0)
 
 
-def length_breaks(head_dim: int) -> tuple[int, ...]:
+def length_breaks(head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
     """Lengths of a step's longest prompt (``max_seqlen_q``) from which the kernel this op
-    runs at ``head_dim`` is another compile: a warm-up meets a prompt on each side of each
-    break (the Gluon kernel, which runs head dims 64 and 128, takes three warpgroups from
-    ``D64_LONG`` tokens at 64; a scale cache's last dimension, 1, has none)."""
-    return (D64_LONG,) if head_dim == 64 else ()
+    runs over a ``dtype`` cache of ``head_dim`` is another compile: a warm-up meets a prompt
+    on each side of each break. Only the Gluon kernel has one (bf16, ``gluon_applies``):
+    three warpgroups from ``D64_LONG`` tokens at head dim 64. Other caches (fp32, fp16, fp8
+    and its scale units) run a kernel of one compile at every length."""
+    return (D64_LONG,) if head_dim == 64 and dtype == torch.bfloat16 else ()
 
 
 _GLUON_BROKEN: set[str] = set()  # devices where the Gluon kernel failed to build or run

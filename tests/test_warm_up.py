@@ -72,13 +72,16 @@ def test_the_warm_up_meets_both_sides_of_each_prefill_kernel_break_the_budget_re
 
 
 def test_the_prefill_kernel_changes_schedule_only_at_its_length_breaks():
+    import torch
     from pdflow.kernels.prefill_auto import length_breaks
     from pdflow.kernels.prefill_gluon import default_schedule
 
     for d in (64, 128):
         changes = tuple(n for n in range(2, 70000) if default_schedule(d, n) != default_schedule(d, n - 1))
-        assert changes == length_breaks(d), d
-    assert length_breaks(1) == ()  # an fp8 cache's scale unit
+        assert changes == length_breaks(d, torch.bfloat16), d
+    assert length_breaks(1, torch.uint8) == ()  # an fp8 cache's scale unit
+    for other in (torch.float32, torch.float16, torch.float8_e4m3fn):  # not the Gluon kernel's caches
+        assert length_breaks(64, other) == ()
 
 
 def test_decode_batches_stay_within_the_rows_and_skip_what_graphs_take():

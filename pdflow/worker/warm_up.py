@@ -168,7 +168,7 @@ def warm_up(stage, *, announce: str | None = None, full: bool | None = None) -> 
         split_of = lambda b: tuple(default_splits(b, h, device, None) for h in h_kvs)  # noqa: E731
         from pdflow.kernels.prefill_auto import length_breaks
 
-        breaks = tuple(sorted({b for c in stage.kv.caches.values() for b in length_breaks(c.shape[-1])}))
+        breaks = tuple(sorted({b for c in stage.kv.caches.values() for b in length_breaks(c.shape[-1], c.dtype)}))
     block = stage.kv.units[next(iter(stage.kv.units))].block_size
     # Contexts stay within warm_tokens, which the pool holds (build_stage caps it), but for
     # the prefills at the prefill kernel's length breaks: their tables wrap the pool.
