@@ -237,8 +237,9 @@ def bench_prefill(run) -> None:
     for t in ([48] if run.tiny else [2048, 8192, 32768]):
         flops = causal_flops(t, hq, d)
         q4 = T.randn(1, hq, t, d, dtype=DT, device=run.dev)
-        k = torch.randn(1, hkv, t, d, device=run.dev, dtype=DT)
-        base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, k, is_causal=True,
+        # V a tensor of its own: K passed as V too would let SDPA's V loads hit in L2
+        k, v = (torch.randn(1, hkv, t, d, device=run.dev, dtype=DT) for _ in range(2))
+        base = run.time_ms(partial(F.scaled_dot_product_attention, q4, k, v, is_causal=True,
                                    enable_gqa=True))
         run.add("prefill sdpa causal", f"T{t}", base, flops=flops)
         run.sdpa_ms = {**getattr(run, "sdpa_ms", {}), t: base}
@@ -249,7 +250,7 @@ def bench_prefill(run) -> None:
                 run.add("prefill triton", f"T{t} page{page}", ms, flops=flops, baseline=base,
                         note="vs_baseline: sdpa causal")
             if prefill_gluon.gluon_applies(*args[:3]):
-                sdpa = partial(F.scaled_dot_product_attention, q4, k, k, is_causal=True,
+                sdpa = partial(F.scaled_dot_product_attention, q4, k, v, is_causal=True,
                                enable_gqa=True)
                 gluon = partial(prefill_gluon.prefill_attention_gluon, *args, d**-0.5,
                                 max_seqlen_q=t)
@@ -257,10 +258,10 @@ def bench_prefill(run) -> None:
     if not run.tiny:  # chunked prefill: 2K new tokens after a 6K cached prefix
         flops = causal_flops(2048, hq, d, 6144)
         q4 = T.randn(1, hq, 2048, d, dtype=DT, device=run.dev)
-        k = torch.randn(1, hkv, 8192, d, device=run.dev, dtype=DT)
+        k, v = (torch.randn(1, hkv, 8192, d, device=run.dev, dtype=DT) for _ in range(2))
         # SDPA's baseline: the chunk's rows over all 8K keys, causal from the bottom right
         mask = torch.ones(2048, 8192, dtype=torch.bool, device=run.dev).tril(6144)
-        base = _safe(run, "chunk sdpa", F.scaled_dot_product_attention, q4, k, k,
+        base = _safe(run, "chunk sdpa", F.scaled_dot_product_attention, q4, k, v,
                      attn_mask=mask, enable_gqa=True)
         if base:
             run.add("prefill sdpa chunk (mask)", "T2048 after 6144", base, flops=flops)
