@@ -9,7 +9,10 @@ warps, stages and split counts. Prints a short table last and writes results.jso
 results.md under --out. Timings are single launches (``do_bench``); decode rows also
 carry ``graph_vs_copy`` and Gluon prefill rows ``graph_vs_sdpa``, the same ratio with both
 sides replayed in CUDA graphs, which keeps the launcher's host time out of a ~0.1 ms
-kernel's window (bench/RESULTS.md, "Head dim 64, first run"). Imports only torch and
+kernel's window (bench/RESULTS.md, "Head dim 64, first run"). A ratio to a same-traffic
+copy (``vs_same_copy``, ``graph_vs_copy``) is the median of three rounds timing the copy
+and the kernel alternately, with its range, as the Gluon prefill's ratio to SDPA is of
+seven alternating pairs: one timing each swung by a few percent. Imports only torch and
 triton (no hydra): the harness is scripts/kernel_bench/ (not installed), which finds the
 kernels as ``pdflow.kernels`` installed or, without an install, in this checkout.
 
@@ -178,7 +181,7 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
     cols = ["kernel", "shape", "ms", "TB/s", "vs_copy", "vs_same_copy", "graph_vs_copy", "TFLOP/s", "vs_baseline",
             "graph_vs_sdpa", "note"]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in run.rows]
+    lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in run.rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     if quiet:
         return
@@ -191,9 +194,16 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
              or r.get("note", "").startswith("BEST")]
     print("| " + " | ".join(cols) + " |")
     for r in short:
-        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+        print("| " + " | ".join(cell(r, c) for c in cols) + " |")
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
 
+
+
+def cell(row: dict, col: str) -> str:
+    """A table cell: a ratio timed in alternating rounds shows its range beside it."""
+    value = str(row.get(col, ""))
+    spread = row.get(col + "_range")
+    return f"{value} ({spread})" if spread else value
 
 if __name__ == "__main__":
     sys.exit(main())
