@@ -152,8 +152,8 @@ def with_same_copy(run, row, nbytes: int, fn=None, rounds: int = 3):
         row["vs_same_copy"], row["vs_same_copy_range"] = _alternating(run, nbytes, fn, run.graph, rounds)
         if not run.graph:  # --graph: vs_same_copy is already the graph ratio
             row["graph_vs_copy"], row["graph_vs_copy_range"] = _alternating(run, nbytes, fn, True, rounds)
-    print(f"    vs_same_copy={row['vs_same_copy']} ({row.get('vs_same_copy_range', 'one timing')}) "
-          f"graph_vs_copy={row.get('graph_vs_copy')} ({row.get('graph_vs_copy_range', '')}) "
+    graphed = f" graph_vs_copy={row['graph_vs_copy']} ({row['graph_vs_copy_range']})" if "graph_vs_copy" in row else ""
+    print(f"    vs_same_copy={row['vs_same_copy']} ({row.get('vs_same_copy_range', 'one timing')}){graphed} "
           f"({row['kernel']} {row['shape']})", flush=True)
     return row
 
