@@ -198,12 +198,12 @@ def write_results(out: Path, info, run, quiet: bool = False) -> None:
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
 
 
-
 def cell(row: dict, col: str) -> str:
     """A table cell: a ratio timed in alternating rounds shows its range beside it."""
     value = str(row.get(col, ""))
     spread = row.get(col + "_range")
     return f"{value} ({spread})" if spread else value
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,9 @@ from pdflow.kernels.store_kv import store_kv
 from . import paged_inputs as T
 from .shapes import DT, PAGES, TOL, causal_flops, decode_bytes, heads, prefill_case, prefix_case
 
+# Rounds of a ratio to the same-traffic copy (``with_same_copy``).
+COPY_ROUNDS = 3
+
 
 def _record(run, name, got, want, dtype):
     err = T.rel_err(got, want)
@@ -95,10 +98,7 @@ def _safe(run, label, fn, *args, **kwargs):
 
 def bench_copy(run) -> None:
     n = (1 << 20) if run.tiny else (1 << 30)  # bytes per side
-    src = torch.randn(n // 2, device=run.dev).to(DT)
-    dst = torch.empty_like(src)
-    # in graphs an SM copy: a captured copy_ is a copy-engine memcpy node (same_traffic_copy_ms)
-    ms = run.time_ms((lambda: torch.mul(src, 1, out=dst)) if run.graph else (lambda: dst.copy_(src)))
+    ms = run.time_ms(copy_fn(run, 2 * n, run.graph))
     run.copy_tbs = round(2 * n / ms / 1e9, 3)
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
@@ -120,60 +120,70 @@ def graph_ms(run, fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
+def copy_fn(run, nbytes: int, graph: bool):
+    """A device copy moving ``nbytes`` in all (half read, half written), as a call: in a
+    CUDA graph an SM copy (``torch.mul(src, 1, out=dst)``), since ``copy_`` captured
+    becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a graph, 0.26 ms
+    eagerly, on the H200)."""
+    src = torch.randn(nbytes // 4, device=run.dev).to(DT)
+    dst = torch.empty_like(src)
+    return (lambda: torch.mul(src, 1, out=dst)) if graph else (lambda: dst.copy_(src))
+
+
+def median_and_range(ratios: list[float]) -> tuple[float, str]:
+    """The median of per-round ratios, and their range as text."""
+    ratios = sorted(ratios)
+    return ratios[len(ratios) // 2], f"{ratios[0]:.3f}-{ratios[-1]:.3f}"
+
+
 def same_traffic_copy_ms(run, nbytes: int, *, graph: bool = False) -> float:
     """A device copy moving ``nbytes`` in all (half read, half written), timed once per size:
     a read stream of ``nbytes`` against it pays the same launch, ramp and tail (the 1 GiB
-    copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB). ``graph``: an SM
-    copy (``torch.mul(src, 1, out=dst)``) replayed in a CUDA graph, since ``copy_``
-    captured becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a graph, 0.26
-    ms eagerly, on the H200)."""
+    copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB). ``graph``: the
+    copy replayed in a CUDA graph (``copy_fn``)."""
     graph = graph or run.graph
     key = (nbytes, graph)
     if key not in run.same_copy_ms:
-        src = torch.randn(nbytes // 4, device=run.dev).to(DT)
-        dst = torch.empty_like(src)
-        run.same_copy_ms[key] = graph_ms(run, lambda: torch.mul(src, 1, out=dst)) if graph \
-            else run.time_ms(lambda: dst.copy_(src))
+        copy = copy_fn(run, nbytes, graph)
+        run.same_copy_ms[key] = graph_ms(run, copy) if graph else run.time_ms(copy)
         run.add("copy same traffic" + (", SM copy in a graph" if graph else ""),
                 f"{nbytes / 2**20:.0f} MiB moved", run.same_copy_ms[key], nbytes=nbytes)
     return run.same_copy_ms[key]
 
 
-def with_same_copy(run, row, nbytes: int, fn=None, rounds: int = 3):
+def with_same_copy(run, row, nbytes: int, fn=None):
     """``row`` (a read of ``nbytes``) gains vs_same_copy: the same-traffic copy's time / its;
     with ``fn`` (the row's call) also graph_vs_copy: both replayed in CUDA graphs. With
-    ``fn`` each ratio is the median of ``rounds`` rounds timing the copy and ``fn``
+    ``fn`` each ratio is the median of ``COPY_ROUNDS`` rounds timing the copy and ``fn``
     alternately, which goes first swapping each round (the range beside it): a single
     timing of each read 0.883 where three such rounds read 0.896-0.924 at the same code,
     the second-timed of two kernels running a few percent slow (bench/RESULTS.md)."""
     if fn is None:
         row["vs_same_copy"] = round(same_traffic_copy_ms(run, nbytes) / row["ms"], 3)
     else:
-        row["vs_same_copy"], row["vs_same_copy_range"] = _alternating(run, nbytes, fn, run.graph, rounds)
+        row["vs_same_copy"], row["vs_same_copy_range"] = _alternating(run, nbytes, fn, run.graph)
         if not run.graph:  # --graph: vs_same_copy is already the graph ratio
-            row["graph_vs_copy"], row["graph_vs_copy_range"] = _alternating(run, nbytes, fn, True, rounds)
+            row["graph_vs_copy"], row["graph_vs_copy_range"] = _alternating(run, nbytes, fn, True)
     graphed = f" graph_vs_copy={row['graph_vs_copy']} ({row['graph_vs_copy_range']})" if "graph_vs_copy" in row else ""
     print(f"    vs_same_copy={row['vs_same_copy']} ({row.get('vs_same_copy_range', 'one timing')}){graphed} "
           f"({row['kernel']} {row['shape']})", flush=True)
     return row
 
 
-def _alternating(run, nbytes: int, fn, graph: bool, rounds: int) -> tuple[float, str]:
-    """The same-traffic copy's time / ``fn``'s: median and range over alternating rounds
-    (eager ``copy_``, or an SM copy in a graph: ``same_traffic_copy_ms``)."""
-    src = torch.randn(nbytes // 4, device=run.dev).to(DT)
-    dst = torch.empty_like(src)
-    copy = (lambda: torch.mul(src, 1, out=dst)) if graph else (lambda: dst.copy_(src))
+def _alternating(run, nbytes: int, fn, graph: bool) -> tuple[float, str]:
+    """The same-traffic copy's time / ``fn``'s over ``COPY_ROUNDS`` rounds, which goes
+    first swapping each round: median (rounded) and range."""
+    copy = copy_fn(run, nbytes, graph)
     timer = partial(graph_ms, run) if graph else run.time_ms
     ratios = []
-    for r in range(1 if run.tiny else rounds):
+    for r in range(1 if run.tiny else COPY_ROUNDS):
         if r % 2 == 0:
             c, k = timer(copy), timer(fn)
         else:
             k, c = timer(fn), timer(copy)
         ratios.append(c / k)
-    ratios.sort()
-    return round(ratios[len(ratios) // 2], 3), f"{ratios[0]:.3f}-{ratios[-1]:.3f}"
+    mid, spread = median_and_range(ratios)
+    return round(mid, 3), spread
 
 
 def _gather_sdpa(q, kc, vc, bt, ctx, hkv, d):
@@ -243,12 +253,11 @@ def _paired(run, shape, base_fn, fn, flops, pairs=7) -> None:
     except Exception as exc:  # a failing kernel must not end the run
         print(f"  gluon: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
         return
-    ratios = sorted(b / m for b, m in times)
-    mid = ratios[len(ratios) // 2]
+    mid, spread = median_and_range([b / m for b, m in times])
     ms = sorted(m for _, m in times)[len(times) // 2]
     row = run.add("prefill gluon", shape, ms, flops=flops,
                   note=f"vs_baseline: sdpa causal, median of {len(times)} alternating pairs "
-                       f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}); goal >= 1.0 at T8192")
+                       f"(range {spread}); goal >= 1.0 at T8192")
     row["vs_baseline"] = round(mid, 3)
     if run.graph:  # vs_baseline is already the graph ratio
         return
