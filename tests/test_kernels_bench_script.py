@@ -36,7 +36,8 @@ def test_dry_run_checks_and_times(tmp_path, head_dim):
     kernels = {r["kernel"] for r in res["rows"]}
     assert {"decode triton", "prefill triton", "store_kv triton", "copy d2d"} <= kernels
     decode = [r for r in res["rows"] if r["kernel"] == "decode triton"]
-    assert decode and all({"vs_same_copy", "graph_vs_copy"} <= r.keys() for r in decode)
+    assert decode and all({"vs_same_copy", "graph_vs_copy", "vs_same_copy_range", "graph_vs_copy_range"} <= r.keys()
+                          for r in decode)
     assert (tmp_path / "results.md").read_text().startswith("# kernel bench")
 
 

@@ -151,21 +151,19 @@ def same_traffic_copy_ms(run, nbytes: int, *, graph: bool = False) -> float:
     return run.same_copy_ms[key]
 
 
-def with_same_copy(run, row, nbytes: int, fn=None):
-    """``row`` (a read of ``nbytes``) gains vs_same_copy: the same-traffic copy's time / its;
-    with ``fn`` (the row's call) also graph_vs_copy: both replayed in CUDA graphs. With
-    ``fn`` each ratio is the median of ``COPY_ROUNDS`` rounds timing the copy and ``fn``
-    alternately, which goes first swapping each round (the range beside it): a single
-    timing of each read 0.883 where three such rounds read 0.896-0.924 at the same code,
-    the second-timed of two kernels running a few percent slow (bench/RESULTS.md)."""
-    if fn is None:
-        row["vs_same_copy"] = round(same_traffic_copy_ms(run, nbytes) / row["ms"], 3)
-    else:
-        row["vs_same_copy"], row["vs_same_copy_range"] = _alternating(run, nbytes, fn, run.graph)
-        if not run.graph:  # --graph: vs_same_copy is already the graph ratio
-            row["graph_vs_copy"], row["graph_vs_copy_range"] = _alternating(run, nbytes, fn, True)
-    graphed = f" graph_vs_copy={row['graph_vs_copy']} ({row['graph_vs_copy_range']})" if "graph_vs_copy" in row else ""
-    print(f"    vs_same_copy={row['vs_same_copy']} ({row.get('vs_same_copy_range', 'one timing')}){graphed} "
+def with_same_copy(run, row, nbytes: int, fn):
+    """``row`` (a read of ``nbytes`` by ``fn``, the row's call) gains vs_same_copy: the
+    same-traffic copy's time / ``fn``'s, and graph_vs_copy: both replayed in CUDA graphs.
+    Each is the median of ``COPY_ROUNDS`` rounds timing the copy and ``fn`` alternately,
+    which goes first swapping each round (the range beside it): a single timing of each
+    read 0.883 where three such rounds read 0.896-0.924 at the same code, the second-timed
+    of two kernels running a few percent slow (bench/RESULTS.md)."""
+    row["vs_same_copy"], row["vs_same_copy_range"] = _alternating(run, nbytes, fn, run.graph)
+    graphed = ""
+    if not run.graph:  # --graph: vs_same_copy is already the graph ratio
+        row["graph_vs_copy"], row["graph_vs_copy_range"] = _alternating(run, nbytes, fn, True)
+        graphed = f" graph_vs_copy={row['graph_vs_copy']} ({row['graph_vs_copy_range']})"
+    print(f"    vs_same_copy={row['vs_same_copy']} ({row['vs_same_copy_range']}){graphed} "
           f"({row['kernel']} {row['shape']})", flush=True)
     return row
 
