@@ -26,8 +26,9 @@ bench/KERNEL_NOTES.md), read a page at a time when pages are shorter than the ti
 (``V_PAGES``: [pages, D, page], so a warp reads a page's rows whole; 1.2-1.26x the tile's
 [tokens, D] read at page 16 on the H200), and then K too ([pages, page, D], from the same
 block-table read per page) with no token mask and the 16-bit loop's branch-only select
-(1.08-1.13x at page 16 on the H200, row 53; at pages as long as the tile K keeps its token
-masks, row 51); each token-head's power-of-two scale (its byte exponent,
+(1.08-1.13x at page 16 on the H200, row 53); pages as long as the tile are read so too,
+one page a tile at two warps and three stages (1.07-1.14x K per token with its masks at
+four warps at page 128, row 54); each token-head's power-of-two scale (its byte exponent,
 kernels/kv_quant.py) is applied to the score and p columns instead of every element: the
 same products. The scale bytes are read a page row at a time, a tile ahead
 (1.17-1.24x the per-element dequantization on the H200: bench/RESULTS.md).
@@ -103,10 +104,10 @@ def _online_step_fp8(q, k_t, v, sk, sv, ok, partial, m_i, l_i, acc, scale_log2, 
     transposed (loaded as [D, N]), so no 8-bit transpose goes through shared memory. The
     scores are in log2 units (``scale_log2`` folded into the column scales); ``partial``
     (a tile running past ``end``, or every tile where K is loaded with token masks) selects
-    -inf past ``end``. At pages as long as the tile the unmasked form measured no gain beyond
-    its A/B's order bias, and ptxas gave it 141-150 registers at page 128 against 121
-    (three programs an SM, not four: bench/KERNEL_NOTES.md row 51); read a page at a time
-    (pages shorter than the tile), it is what lets K skip the per-token offsets (row 53)."""
+    -inf past ``end``. Read a page at a time (the default), it is what lets K skip the
+    per-token offsets (bench/KERNEL_NOTES.md rows 53-54); K read per token (``v_pages=False``)
+    keeps its masks: unmasked there at four warps, ptxas gave it 141-150 registers at page
+    128 against 121 and it measured no gain (row 51)."""
     s = mma(q, k_t, DOT_PREC, UPCAST) * (sk * scale_log2)[None, :]
     if partial:  # columns past ``end`` (their K may be stale bytes): -inf
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -191,7 +192,7 @@ def _paged_split_kernel(
             # a token past the context reads a real page whose bytes the writer never
             # leaves NaN (kv_quant), and its p is exactly 0.
             if V_PAGES:
-                # Pages shorter than the tile: K as [pages, PAGE, D] and V as [pages, D, PAGE]
+                # Pages no longer than the tile: K as [pages, PAGE, D] and V as [pages, D, PAGE]
                 # from one block-table read per page (not per token), a page's rows whole;
                 # pages past ``end`` re-read the last one, K's tokens past it are unmasked
                 # and only a split's partial last tile selects its scores (as the 16-bit
@@ -311,18 +312,22 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
     bench/RESULTS.md); fp32 tiles of 128 would not fit 4 stages. A 16-bit cache at head
     dim 64: half the bytes per token, so twice the tokens, as fp8 (2K context: 0.91-0.93x
     a same-traffic copy at 64 tokens, 0.97-0.99x at 128, in CUDA graphs on the H200). Four warps and four stages
-    were fastest on the H200 at B64 x 8 heads (bn64, one split); an fp8 decode over pages
-    shorter than the tile reads V a page at a time, with two warps and two stages (page 16:
-    1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48). A 16-bit
+    were fastest on the H200 at B64 x 8 heads (bn64, one split); an fp8 decode reads K and V
+    a page at a time, with two warps and two stages over pages shorter than the tile (page
+    16: 1.02-1.07x four and four at 8K-32K tokens, bench/KERNEL_NOTES.md rows 47-48, 53), and
+    three stages over one page a tile (page 128: 1.07-1.14x K per token at four warps and four
+    stages, 0.91-0.94x a same-traffic copy in CUDA graphs on the H200, row 54). A 16-bit
     DSpark block at head dim 64: two warps, three stages (a warp then holds 16 of the 32 rows
     over the whole tile: 1.39-1.40x faster than four warps in CUDA graphs on the H200, row 51)."""
     if block_n is None:
         wide = quant or (itemsize <= 2 and (nx > 0 or head_dim <= 64))
         block_n = (128 if wide else 64) if block_m <= 64 else 32
-    v_pages = v_pages and quant and page < block_n  # False: V as one [tokens, D] tile (A/B)
+    # False: V as one [tokens, D] tile and K per token (A/B); a decode at pages as long as
+    # the tile reads them a page at a time too (one page a tile), the DSpark block pass not
+    v_pages = v_pages and quant and (page < block_n or (page == block_n and nx == 0))
     narrow = v_pages and nx == 0
     small_block = nx > 0 and not quant and itemsize <= 2 and head_dim <= 64  # the d64 16-bit block pass
-    stages = 2 if narrow else 3 if small_block else 4
+    stages = 2 if narrow and page < block_n else 3 if narrow or small_block else 4
     return DecodeTiles(block_n=block_n, num_warps=2 if narrow or small_block else 4,
                        num_stages=stages if cuda else 1, v_pages=v_pages)
 
@@ -337,8 +342,9 @@ def paged_attention(
     ``num_splits`` cuts each sequence into that many chunks (default: fill the GPU);
     ``out`` may be a preallocated [B, NQ, H_q, D] (contiguous) for CUDA graphs.
     ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8); its V
-    head pages stored transposed (kernels/reference.py), read a page at a time when pages
-    are shorter than the tile (``v_pages=False``: as one [tokens, D] tile, for A/B)."""
+    head pages stored transposed (kernels/reference.py), K and V read a page at a time when
+    pages are no longer than the tile (``decode_tiles``; ``v_pages=False``: K per token and V
+    as one [tokens, D] tile, for A/B)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()

@@ -225,12 +225,14 @@ def test_triton_decode_equals_the_reference_and_catches_another_heads_scales(spl
     assert (wrong.cpu() - want).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("splits,v_pages", [(1, True), (2, True), (1, False)])
-def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits, v_pages):
+@pytest.mark.parametrize("splits,v_pages,block_n", [(1, True, None), (2, True, None), (1, False, None),
+                                                    (1, True, 16), (2, True, 16)])
+def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits, v_pages, block_n):
     """The decode reads each tile's scales a tile ahead and their blocks two ahead:
     contexts of several 128-token tiles over shuffled 32-token blocks (page 16), a context
-    ending mid-tile and one of a single token, equal the reference; V read per page
-    ([pages, D, page], the default at page 16) or per tile of tokens (``v_pages=False``)."""
+    ending mid-tile and one of a single token, equal the reference; K and V read per page
+    ([pages, D, page], the default), one page a tile (``block_n`` = page: the default at
+    page 128) or per tile of tokens (``v_pages=False``)."""
     nb, h, page, ppb, d = 40, 2, 16, 2, 64
     gen = torch.Generator().manual_seed(9)
     n = nb * ppb * page
@@ -245,8 +247,27 @@ def test_fp8_decode_reads_scales_ahead_across_many_tiles(splits, v_pages):
     q = torch.randn(3, 4, d, generator=gen)
     want = ref.decode_attention(q, kc.cpu(), vc.cpu(), lens, bt, 0.125, ks.cpu(), vs.cpu())
     got = decode_attention(q.to(DEV), kc, vc, lens.to(DEV), bt.to(DEV), 0.125, ks, vs, num_splits=splits,
-                           v_pages=v_pages)
+                           v_pages=v_pages, block_n=block_n)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_decode_reads_pages_no_longer_than_its_tile_a_page_at_a_time():
+    """The launcher's rule: an fp8 decode reads K and V a page at a time at pages shorter
+    than its tile and at pages as long (one page a tile, three stages: page 128's default,
+    bench/KERNEL_NOTES.md row 54); the DSpark block pass (extra tokens) only at shorter pages,
+    16-bit caches never."""
+    from pdflow.kernels.decode_attention import decode_tiles
+
+    def tiles(page, nx=0, quant=True, **kw):
+        return decode_tiles(quant=quant, page=page, block_m=16 if nx == 0 else 32, nx=nx, itemsize=2,
+                            cuda=True, **kw)
+
+    assert (tiles(16).v_pages, tiles(16).num_warps, tiles(16).num_stages) == (True, 2, 2)
+    assert (tiles(128).v_pages, tiles(128).num_warps, tiles(128).num_stages) == (True, 2, 3)
+    assert not tiles(128, v_pages=False).v_pages and tiles(128, v_pages=False).num_warps == 4
+    assert not tiles(256).v_pages  # a page longer than the tile: K per token
+    assert tiles(16, nx=8).v_pages and not tiles(128, nx=8).v_pages
+    assert not tiles(16, quant=False).v_pages
 
 
 def test_fp8_v_is_stored_in_transposed_head_pages():

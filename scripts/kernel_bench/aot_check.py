@@ -156,12 +156,12 @@ def cases():
            dict(D=128, PAGE=16, PPB=8, BLOCK_T=16, BLOCK_D=128),
            dict(k_ptr=BF, v_ptr=BF, kc_ptr=f8, vc_ptr=f8, slot_ptr="*i64"),
            dict(num_warps=4), False)
-    # The fp8 decode at the tiles its launcher picks (page 16: V read a page at a time), and
-    # page 16 read as one [tokens, D] tile (``v_pages=False``). K and V must each be
+    # The fp8 decode at the tiles its launcher picks (pages read a page at a time), and
+    # read as one [tokens, D] tile, K per token (``v_pages=False``). K and V must each be
     # pipelined ``num_stages - 1`` tiles ahead through async copies: fewer means a tile went
     # back to plain loads (V read a byte at a time ran 2.5-3x slower on the H200,
     # bench/KERNEL_NOTES.md row 46).
-    for page, ppb, v_pages in ((16, 8, True), (16, 8, False), (128, 1, True)):
+    for page, ppb, v_pages in ((16, 8, True), (16, 8, False), (128, 1, True), (128, 1, False)):
         t = DA.decode_tiles(quant=True, page=page, block_m=16, nx=0, itemsize=2, cuda=True, v_pages=v_pages)
         yield (f"decode fp8 page{page}{' v_pages' if t.v_pages else ''}", DA._paged_split_kernel,
                {**base, "PAGE": page, "PPB": ppb, "NQ": 1, "NX": 0, "BLOCK_M": 16, "BLOCK_N": t.block_n,
