@@ -84,6 +84,22 @@ def test_load_policy_tries_the_least_loaded_first_and_prefills_locally_when_satu
     assert chooser.choose(_body([3] * 20)).producer == P[0]
 
 
+def test_a_producer_counts_a_request_from_its_send_to_the_decode_instances_answer():
+    """A prefill instance's load is the prefills sent to it and not yet answered: once the
+    decode instance answers (a stream's first token), the producer is free again while the
+    stream goes on, and a second release (the stream's end) takes nothing more."""
+    chooser = Chooser(D, P, RouterSpec(policy="load", max_prefills_in_flight=1), block_tokens=16)
+    first = chooser.choose(_body([1] * 20))
+    chooser.started(first, first.order[0])
+    assert chooser.in_flight == {first.order[0]: 1, first.order[1]: 0, P[0]: 1}
+    assert chooser.choose(_body([2] * 20)).producer is None  # saturated while it prefills
+    chooser.prefilled(first)
+    assert chooser.in_flight[P[0]] == 0 and chooser.in_flight[first.order[0]] == 1
+    assert chooser.choose(_body([3] * 20)).producer == P[0]  # decoding on: no load on p0
+    chooser.finished(first, first.order[0])
+    assert set(chooser.in_flight.values()) == {0}
+
+
 def test_a_bad_router_policy_is_refused_by_name():
     with pytest.raises(ConfigError, match="router.policy"):
         compose(["router.policy=nearest"])
@@ -132,6 +148,50 @@ def test_the_router_releases_each_request_it_counted_streamed_or_not():
             r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
             got.append(r.text.split('"backend": "')[1][0] if i == 0 else r.json()["backend"])
     assert got == ["a", "b", "a", "b"]
+
+
+def test_the_router_counts_a_request_as_load_before_its_backend_answers():
+    """policy=load through real HTTP: a request whose backend has not answered yet (a
+    prefill under way: a stream's headers come with its first token) is load there, so the
+    next request goes to the idle backend. Counted only from the answer, the held backend
+    looked idle and round robin's turn sent the third request to it."""
+    import asyncio
+    import threading
+
+    release, held = threading.Event(), threading.Event()
+
+    def backend(name: str) -> FastAPI:
+        app = _named_backend(name)
+        if name == "a":
+            @app.middleware("http")
+            async def hold(request, call_next):  # a completion sent to "a" waits for the test
+                if request.url.path == "/v1/completions":  # (not the router's /metrics polls)
+                    held.set()
+                    await asyncio.to_thread(release.wait, 30)
+                return await call_next(request)
+        return app
+
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(ServerThread(backend(n))).url for n in ("a", "b")]
+        router = stack.enter_context(ServerThread(create_router(urls, router=RouterSpec(policy="load"))))
+
+        def post(i: int, out: list) -> None:
+            r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": [i] * 20,
+                                                                 "max_tokens": 1}, timeout=10)
+            out.append(r.json()["backend"])
+
+        first: list[str] = []
+        sender = threading.Thread(target=post, args=(0, first))
+        sender.start()
+        try:
+            assert held.wait(10)
+            later: list[str] = []
+            post(1, later)  # round robin's order is b, a here anyway
+            post(2, later)  # its order is a, b: a holds one request, b none
+        finally:
+            release.set()
+            sender.join(30)
+    assert first == ["a"] and later == ["b", "b"]
 
 
 def test_the_free_block_poll_reads_an_instances_gauges_as_the_exposition_parser_does():

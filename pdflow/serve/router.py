@@ -106,21 +106,25 @@ def create_router(backends: list[str], *, api_key: str | None = None,
         for backend in choice.order:
             upstream = client.build_request(request.method, backend + request.url.path, content=body,
                                             headers=headers)
+            chooser.started(choice, backend)  # load from the send on: its prefill is the costly part
             try:
                 answer = await until_answered_or_gone(request, client.send(upstream, stream=True))
-            except CONNECT_ERRORS as exc:
-                count(backend, "unreachable")
-                unreachable.append(f"{backend} ({type(exc).__name__})")
-                continue
-            except httpx.TimeoutException as exc:
-                count(backend, "timed_out")
-                raise APIError(503, f"backend {backend} did not answer within {stall_s:g} s",
-                               code="request_timeout") from exc
-            except httpx.HTTPError as exc:
-                count(backend, "failed")
-                raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
-                               code="backend_error") from exc
-            chooser.started(choice, backend)
+            except BaseException as exc:
+                chooser.finished(choice, backend)
+                if isinstance(exc, CONNECT_ERRORS):
+                    count(backend, "unreachable")
+                    unreachable.append(f"{backend} ({type(exc).__name__})")
+                    continue
+                if isinstance(exc, httpx.TimeoutException):
+                    count(backend, "timed_out")
+                    raise APIError(503, f"backend {backend} did not answer within {stall_s:g} s",
+                                   code="request_timeout") from exc
+                if isinstance(exc, httpx.HTTPError):
+                    count(backend, "failed")
+                    raise APIError(502, f"backend {backend} failed: {type(exc).__name__}: {exc}",
+                                   code="backend_error") from exc
+                raise  # the client left, or the server is stopping
+            chooser.prefilled(choice)  # answered: a stream's first token is out, the prefill done
             return await relay(backend, answer, lambda b=backend: chooser.finished(choice, b))
         raise APIError(503, f"no backend could be reached: {', '.join(unreachable)}", code="no_backend")
 

@@ -118,11 +118,17 @@ class Choice:
     order: list[str]
     producer: str | None = None
     hashes: list[bytes] = field(default_factory=list)
+    prefilling: bool = False  # counted in the producer's in-flight (sent, no answer yet)
 
 
 class Chooser:
-    """Picks decode (and prefill) instances under ``router.policy``; ``started`` and
-    ``finished`` keep the in-flight counts the load and prefix policies read."""
+    """Picks decode (and prefill) instances under ``router.policy``; ``started``,
+    ``prefilled`` and ``finished`` keep the in-flight counts the load and prefix policies
+    read: a decode instance's from the send to the answer's end, a prefill instance's from
+    the send to the decode instance's answer (a stream's first token: its prefill and
+    transfer are over). Counted only from the answer, a request in its prefill, the most
+    expensive part of it, was no load at all, and a producer's count held the decode phase
+    it has no part in."""
 
     def __init__(self, decode: list[str], prefill: list[str] | None, router: RouterSpec, *, block_tokens: int):
         self.router, self.block_tokens = router, block_tokens
@@ -144,20 +150,33 @@ class Chooser:
         return Choice(order=self._rank(self.decode.pick(), hashes), producer=self._producer(hashes), hashes=hashes)
 
     def started(self, choice: Choice, backend: str) -> None:
+        """``choice`` is being sent to ``backend`` (and its producer): counted, and its
+        blocks remembered there, so a follow-up sent meanwhile finds them."""
         with self._lock:
             self.in_flight[backend] += 1
             if choice.producer is not None:
                 self.in_flight[choice.producer] += 1
+                choice.prefilling = True
         if choice.hashes:
             self.index.remember(backend, choice.hashes)
             if choice.producer is not None:
                 self.index.remember(choice.producer, choice.hashes)
 
+    def prefilled(self, choice: Choice) -> None:
+        """The decode instance answered: the producer's part is over (once)."""
+        with self._lock:
+            self._release_producer(choice)
+
     def finished(self, choice: Choice, backend: str) -> None:
+        """The answer ended (or the send failed): every count ``started`` took, released."""
         with self._lock:
             self.in_flight[backend] -= 1
-            if choice.producer is not None:
-                self.in_flight[choice.producer] -= 1
+            self._release_producer(choice)
+
+    def _release_producer(self, choice: Choice) -> None:
+        if choice.prefilling:
+            choice.prefilling = False
+            self.in_flight[choice.producer] -= 1
 
     def set_free(self, backend: str, fraction: float) -> None:
         """An instance's free KV-block fraction, from its /metrics (``poll_free``)."""

@@ -11,7 +11,8 @@ ROUTER_POLICIES = ("round_robin", "load", "prefix")
 @dataclass(kw_only=True, slots=True)
 class RouterSpec:
     # round_robin: instances in turn; load: the one with the fewest requests the router
-    # has in flight there; prefix: the decode instance holding most of the prompt's
+    # has in flight there (from the send; on a prefill instance, until the decode
+    # instance's answer, when its prefill and transfer are over); prefix: the decode instance holding most of the prompt's
     # leading blocks (a router-side index of what it sent where), ties by load.
     policy: str = "round_robin"
     # Decode side: match each prompt against this instance's prefix cache and have the
@@ -22,7 +23,8 @@ class RouterSpec:
     local_prefill_tokens: int = 0
     # Prefix policy: block hashes the router remembers per decode instance (LRU bound).
     index_blocks: int = 65536
-    # Load policy: a prefill instance with this many prefills in flight is saturated;
+    # Load policy: a prefill instance with this many prefills in flight (sent, their decode
+    # instance's answer not yet back) is saturated;
     # when all are, the decode instance prefills locally. 0: no limit.
     max_prefills_in_flight: int = 0
 
