@@ -12,8 +12,9 @@ ROUTER_POLICIES = ("round_robin", "load", "prefix")
 class RouterSpec:
     # round_robin: instances in turn; load: the one with the fewest requests the router
     # has in flight there (from the send; on a prefill instance, until the decode
-    # instance's answer, when its prefill and transfer are over); prefix: the decode instance holding most of the prompt's
-    # leading blocks (a router-side index of what it sent where), ties by load.
+    # instance's answer, when its prefill and transfer are over); prefix: the decode
+    # instance holding most of the prompt's leading blocks (a router-side index of what it
+    # sent where), ties by load.
     policy: str = "round_robin"
     # Decode side: match each prompt against this instance's prefix cache and have the
     # prefill instance write only the uncached suffix's blocks.
