@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "scripts" / "kernel_bench"
-HARNESS_NAMES = {"benchmarks", "sweep", "aot_check", "testing", "prefill_variants",
+HARNESS_NAMES = {"benchmarks", "sweep", "aot_check", "testing", "prefill_variants", "rotated",
                  "paged_inputs", "shapes"}
 
 

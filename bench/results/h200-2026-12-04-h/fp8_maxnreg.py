@@ -3,23 +3,16 @@ thread at two warps (4 programs an SM, ~2 warps a scheduler: latency-bound, KERN
 53); capped, more programs fit an SM, if the spills cost less than the latency they hide.
 Pages 16 and 128 at their defaults against caps of 168 and 128, B64, 32 q / 8 KV heads, d128,
 2K / 8K / 32K, CUDA graphs, three rotated rounds with the SM copy of the same bytes; medians."""
-import statistics
 import sys
 from functools import partial
 
 import torch
-import triton.testing as tt
 
 sys.path.insert(0, "scripts")
 from kernel_bench.fp8 import fp8_decode_bytes, fp8_paged  # noqa: E402
+from kernel_bench.rotated import rotated_times, vs_copy_lines  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
 from pdflow.kernels.decode_attention import decode_attention  # noqa: E402
-
-
-def g(fn):
-    torch.cuda.synchronize()
-    return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
-
 
 dev, b, hq, hkv, d = "cuda", 64, 32, 8, 128
 CAPS = {"default": {}, "maxnreg 168": dict(maxnreg=168), "maxnreg 128": dict(maxnreg=128)}
@@ -42,18 +35,9 @@ for ctx in (2048, 8192, 32768):
         dst = torch.empty_like(src)
         fns = {n: partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, **kw) for n, kw in CAPS.items()}
         fns["copy"] = partial(torch.mul, src, 1, out=dst)
-        names = list(fns)
-        times = {n: [] for n in names}
-        for r in range(3):
-            order = names[r:] + names[:r] if r % 2 == 0 else list(reversed(names))
-            for n in order:
-                times[n].append(g(fns[n]))
-        cp = statistics.median(times["copy"])
-        for n in names[:-1]:
-            rs = [c / t for c, t in zip(times["copy"], times[n], strict=True)]
-            print(f"fp8 decode ctx{ctx} page{page} {n}: vs same-traffic copy {statistics.median(rs):.3f} "
-                  f"(rounds {', '.join(f'{x:.3f}' for x in rs)}; {statistics.median(times[n]) * 1e3:.1f} us, "
-                  f"copy {cp * 1e3:.1f} us)", flush=True)
+        times = rotated_times(fns)
+        for line in vs_copy_lines(times, lambda n, ctx=ctx, page=page: f"fp8 decode ctx{ctx} page{page} {n}"):
+            print(line, flush=True)
         del fns, src, dst, kc, vc, ks, vs
         torch.cuda.empty_cache()
 # registers and spills of the compiled variants (the launched kernels this process holds)

@@ -3,23 +3,16 @@ bench, 0.92-0.95x in probes): the default launch against other stages, warps, ti
 splits, at the bench's shape (B64, 32 q / 8 KV heads, d128), 2K / 8K / 32K, in CUDA graphs,
 every candidate and the SM copy of the same bytes timed in three rounds of rotated order;
 medians. Checks each tile against the reference first."""
-import statistics
 import sys
 from functools import partial
 
 import torch
-import triton.testing as tt
 
 sys.path.insert(0, "scripts")
 from kernel_bench.fp8 import fp8_decode_bytes, fp8_paged  # noqa: E402
+from kernel_bench.rotated import rotated_times, vs_copy_lines  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
 from pdflow.kernels.decode_attention import decode_attention  # noqa: E402
-
-
-def g(fn):
-    torch.cuda.synchronize()  # the graph's stream does not wait for the one the inputs were made on
-    return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
-
 
 dev, b, hq, hkv, d = "cuda", 64, 32, 8, 128
 TILES = {
@@ -57,17 +50,8 @@ for ctx in (2048, 8192, 32768):
         dst = torch.empty_like(src)
         fns = {n: partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, **kw) for n, kw in tiles.items()}
         fns["copy"] = partial(torch.mul, src, 1, out=dst)
-        names = list(fns)
-        times = {n: [] for n in names}
-        for r in range(3):
-            order = names[r:] + names[:r] if r % 2 == 0 else list(reversed(names))
-            for n in order:
-                times[n].append(g(fns[n]))
-        cp = statistics.median(times["copy"])
-        for n in names[:-1]:
-            rs = [c / t for c, t in zip(times["copy"], times[n], strict=True)]
-            print(f"fp8 decode ctx{ctx} page{page} {n}: vs same-traffic copy {statistics.median(rs):.3f} "
-                  f"(rounds {', '.join(f'{x:.3f}' for x in rs)}; {statistics.median(times[n]) * 1e3:.1f} us, "
-                  f"copy {cp * 1e3:.1f} us)", flush=True)
+        times = rotated_times(fns)
+        for line in vs_copy_lines(times, lambda n, ctx=ctx, page=page: f"fp8 decode ctx{ctx} page{page} {n}"):
+            print(line, flush=True)
         del fns, src, dst, kc, vc, ks, vs
         torch.cuda.empty_cache()
