@@ -19,6 +19,8 @@ from pdflow.kernels.prefill_attention import prefill_attention
 from pdflow.kernels.store_kv import store_kv
 
 from . import paged_inputs as T
+from . import rotated
+from .rotated import median_and_range
 from .shapes import DT, PAGES, TOL, causal_flops, decode_bytes, heads, prefill_case, prefix_case
 
 # Rounds of a ratio to the same-traffic copy (``with_same_copy``).
@@ -98,7 +100,7 @@ def _safe(run, label, fn, *args, **kwargs):
 
 def bench_copy(run) -> None:
     n = (1 << 20) if run.tiny else (1 << 30)  # bytes per side
-    ms = run.time_ms(copy_fn(run, 2 * n, run.graph))
+    ms = run.time_ms(rotated.same_traffic_copy(run.dev, 2 * n, graph=run.graph))
     run.copy_tbs = round(2 * n / ms / 1e9, 3)
     run.add("copy d2d", f"{n >> 20} MiB", ms, nbytes=2 * n, note="HBM floor (read+write)")
 
@@ -108,43 +110,18 @@ def graph_ms(run, fn) -> float:
     time in the window. ``do_bench`` times one launch after a cache-clearing memset, and at
     2K tokens a ~0.1 ms kernel is as long as that memset, so the launcher's host time can
     land inside it (0.079-0.144 ms for one fp8 decode in one run, bench/RESULTS.md)."""
-    if run.tiny:
-        return run.time_ms(fn)
-    import triton.testing
-
-    # do_bench_cudagraph runs ``fn`` on a stream of its own, which does not wait for the
-    # current one: inputs just made there (a random cache, its block table and lengths)
-    # may not be written yet when its first launches read them. Two runs ended in an
-    # illegal memory access right after making the 8K page-128 inputs (bench/RESULTS.md).
-    torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
-
-
-def copy_fn(run, nbytes: int, graph: bool):
-    """A device copy moving ``nbytes`` in all (half read, half written), as a call: in a
-    CUDA graph an SM copy (``torch.mul(src, 1, out=dst)``), since ``copy_`` captured
-    becomes a copy-engine memcpy node (1 GiB moved took 0.40 ms in a graph, 0.26 ms
-    eagerly, on the H200)."""
-    src = torch.randn(nbytes // 4, device=run.dev).to(DT)
-    dst = torch.empty_like(src)
-    return (lambda: torch.mul(src, 1, out=dst)) if graph else (lambda: dst.copy_(src))
-
-
-def median_and_range(ratios: list[float]) -> tuple[float, str]:
-    """The median of per-round ratios, and their range as text."""
-    ratios = sorted(ratios)
-    return ratios[len(ratios) // 2], f"{ratios[0]:.3f}-{ratios[-1]:.3f}"
+    return run.time_ms(fn) if run.tiny else rotated.graph_ms(fn)
 
 
 def same_traffic_copy_ms(run, nbytes: int, *, graph: bool = False) -> float:
     """A device copy moving ``nbytes`` in all (half read, half written), timed once per size:
     a read stream of ``nbytes`` against it pays the same launch, ramp and tail (the 1 GiB
     copy's rate, vs_copy, does not: at 2K tokens a decode reads ~0.5 GB). ``graph``: the
-    copy replayed in a CUDA graph (``copy_fn``)."""
+    copy replayed in a CUDA graph (``rotated.same_traffic_copy``)."""
     graph = graph or run.graph
     key = (nbytes, graph)
     if key not in run.same_copy_ms:
-        copy = copy_fn(run, nbytes, graph)
+        copy = rotated.same_traffic_copy(run.dev, nbytes, graph=graph)
         run.same_copy_ms[key] = graph_ms(run, copy) if graph else run.time_ms(copy)
         run.add("copy same traffic" + (", SM copy in a graph" if graph else ""),
                 f"{nbytes / 2**20:.0f} MiB moved", run.same_copy_ms[key], nbytes=nbytes)
@@ -171,16 +148,10 @@ def with_same_copy(run, row, nbytes: int, fn):
 def _alternating(run, nbytes: int, fn, graph: bool) -> tuple[float, str]:
     """The same-traffic copy's time / ``fn``'s over ``COPY_ROUNDS`` rounds, which goes
     first swapping each round: median (rounded) and range."""
-    copy = copy_fn(run, nbytes, graph)
-    timer = partial(graph_ms, run) if graph else run.time_ms
-    ratios = []
-    for r in range(1 if run.tiny else COPY_ROUNDS):
-        if r % 2 == 0:
-            c, k = timer(copy), timer(fn)
-        else:
-            k, c = timer(fn), timer(copy)
-        ratios.append(c / k)
-    mid, spread = median_and_range(ratios)
+    fns = {"copy": rotated.same_traffic_copy(run.dev, nbytes, graph=graph), "fn": fn}
+    times = rotated.rotated_times(fns, rounds=1 if run.tiny else COPY_ROUNDS,
+                                  timer=partial(graph_ms, run) if graph else run.time_ms)
+    mid, spread = median_and_range(rotated.copy_ratios(times, "fn"))
     return round(mid, 3), spread
 
 

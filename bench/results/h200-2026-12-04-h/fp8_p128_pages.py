@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, "scripts")
 import pdflow.kernels.decode_attention as da  # noqa: E402
 from kernel_bench.fp8 import fp8_decode_bytes, fp8_paged  # noqa: E402
-from kernel_bench.rotated import rotated_times, vs_copy_lines  # noqa: E402
+from kernel_bench.rotated import rotated_times, same_traffic_copy, vs_copy_lines  # noqa: E402
 from pdflow.kernels import reference as ref  # noqa: E402
 
 FORCE = {"on": False}
@@ -64,12 +64,10 @@ for ctx in (2048, 8192, 32768):
     kc, vc, ks, vs, cl, bt = fp8_paged(b, ctx, hkv, d, page, ppb, dev)
     q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
     nbytes = fp8_decode_bytes(b, ctx, hq, hkv, d)
-    src = torch.randn(nbytes // 4, device=dev).to(torch.bfloat16)
-    dst = torch.empty_like(src)
     fns = {n: partial(c, q, kc, vc, cl, bt, ks, vs) for n, c in CALLS.items()}
-    fns["copy"] = partial(torch.mul, src, 1, out=dst)
+    fns["copy"] = same_traffic_copy(dev, nbytes)
     times = rotated_times(fns)
     for line in vs_copy_lines(times, lambda n, ctx=ctx, page=page: f"fp8 decode ctx{ctx} page{page} {n}"):
         print(line, flush=True)
-    del fns, src, dst, kc, vc, ks, vs
+    del fns, kc, vc, ks, vs
     torch.cuda.empty_cache()
