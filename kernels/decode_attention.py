@@ -335,7 +335,7 @@ def decode_tiles(*, quant: bool, page: int, block_m: int, nx: int, itemsize: int
 def paged_attention(
     q, k_cache, v_cache, context_lens, block_tables, scale, k_extra=None, v_extra=None,
     *, k_scale=None, v_scale=None, num_splits=None, max_context=None, block_n=None,
-    num_warps=None, num_stages=None, out=None, v_pages=True, maxnreg=None,
+    num_warps=None, num_stages=None, out=None, v_pages=True,
 ):
     """q [B, NQ, H_q, D] over each sequence's paged context plus optional extra tokens
     k/v_extra [B, NX, H_kv, D] (non-causal, every row sees every token) -> [B, NQ, H_q, D].
@@ -344,7 +344,7 @@ def paged_attention(
     ``k_scale``/``v_scale``: an fp8 cache's scale caches ([..., page, 1] uint8); its V
     head pages stored transposed (kernels/reference.py), K and V read a page at a time when
     pages are no longer than the tile (``decode_tiles``; ``v_pages=False``: K per token and V
-    as one [tokens, D] tile, for A/B). ``maxnreg``: cap the registers a thread (CUDA, A/B)."""
+    as one [tokens, D] tile, for A/B)."""
     bsz, nq, h_q, d = q.shape
     _, ppb, h_kv, page, dc = k_cache.shape
     assert d == dc and h_q % h_kv == 0 and k_cache.stride() == v_cache.stride()
@@ -400,7 +400,7 @@ def paged_attention(
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(q),
         QUANT=quant, SW=min(page, block_n), F8_F16=quant and q.dtype == torch.bfloat16,
         V_PAGES=tiles.v_pages,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         assert out.is_contiguous()
