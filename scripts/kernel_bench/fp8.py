@@ -156,7 +156,7 @@ def bench_fp8(run) -> None:
             decode_rows.append((ctx, row))
             # the default reads K and V a page at a time: against K per token and V as one tile
             fn = partial(decode_attention, q, kc, vc, cl, bt, d**-0.5, ks, vs, v_pages=False)
-            run.add("decode triton fp8 kv tile V", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
+            run.add("decode triton fp8 kv v_pages=False", f"B{b} ctx{ctx} page{page}", run.time_ms(fn),
                     nbytes=fp8_decode_bytes(b, ctx, hq, hkv, d), baseline=ms,
                     note="vs_baseline: the default (K and V read a page at a time)")
             if not run.tiny:  # half the bytes of a bf16 step: does a second wave of programs pay?
