@@ -94,6 +94,24 @@ def test_raw_sse_with_httpx(served):
     assert "".join(c["choices"][0]["text"] for c in chunks) == served["oracle"][PROMPTS[1]].text[:3]
 
 
+def test_return_token_ids_gives_the_greedy_ids_streamed_or_not(served):
+    """vLLM's ``return_token_ids``: the ids of the oracle's greedy answer and of the prompt,
+    whole in a plain answer; streamed, each chunk's own ids (they concatenate to the same)
+    and the prompt's in the first chunk only. Unasked, neither key appears."""
+    want = served["oracle"][PROMPTS[1]]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": N, "temperature": 0, "return_token_ids": True}
+    choice = httpx.post(served["url"] + "/v1/completions", json=body).json()["choices"][0]
+    assert choice["token_ids"] == want.token_ids and choice["prompt_token_ids"] == want.prompt_token_ids
+    with httpx.stream("POST", served["url"] + "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ids = [c["choices"][0] for c in chunks]
+    assert [t for c in ids for t in c["token_ids"]] == want.token_ids
+    assert ids[0]["prompt_token_ids"] == want.prompt_token_ids
+    assert all("prompt_token_ids" not in c for c in ids[1:])
+    plain = httpx.post(served["url"] + "/v1/completions", json=body | {"return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 def test_stop_string_ends_the_text_before_it(served, client):
     want = served["oracle"][PROMPTS[0]].text
     stop = want[2:4]  # appears in the greedy output, so generation must end there

@@ -245,4 +245,5 @@ def _job(backend: ServingBackend, req: SamplingFields, ids: list[int], *, chat: 
             backend.tokenizer.decode(ids) if backend.tokenizer is not None else "")
     return Job(chat=chat, model=model_name, prompt_token_ids=ids, sampling=sampling,
                stream=bool(req.stream), include_usage=include_usage, n=choices, echo=echo,
-               logprobs=top, prompt_text=prompt_text, tokenizer=backend.tokenizer)
+               logprobs=top, prompt_text=prompt_text, tokenizer=backend.tokenizer,
+               return_token_ids=bool(req.return_token_ids))

@@ -58,6 +58,7 @@ class Job:
     logprobs: int | None = None
     prompt_text: str = ""
     tokenizer: object = None
+    return_token_ids: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +73,7 @@ class _Choice:
     first: StreamEvent | None = None  # its first event: prompt logprobs, cached tokens
     role_sent: bool = False
     echoed: bool = False
+    prompt_ids_sent: bool = False
     outcome: str = ""  # the engine's finish reason, as metrics count it
 
     def add(self, event: StreamEvent) -> None:
@@ -260,7 +262,18 @@ class Generation:
             else:
                 choices.append({"index": c.index, "text": echo_text + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
+            choices[-1] |= self._token_ids(c, c.run.token_ids)
         return self._head(False) | {"choices": choices, "usage": self._usage()}
+
+    def _token_ids(self, choice: _Choice, token_ids: list[int]) -> dict:
+        """``return_token_ids``: these output ids, and the prompt's once per choice."""
+        if not self.job.return_token_ids:
+            return {}
+        ids = {"token_ids": list(token_ids)}
+        if not choice.prompt_ids_sent:
+            choice.prompt_ids_sent = True
+            ids["prompt_token_ids"] = list(self.job.prompt_token_ids)
+        return ids
 
     def _chunk(self, choice: _Choice, events: list[StreamEvent]) -> bytes:
         text = "".join(e.text for e in events)
@@ -279,7 +292,7 @@ class Generation:
         else:
             body_choice = {"index": choice.index, "text": echo_text + text, "logprobs": logprobs,
                            "finish_reason": reason}
-        body = self._head(True) | {"choices": [body_choice]}
+        body = self._head(True) | {"choices": [body_choice | self._token_ids(choice, run.token_ids)]}
         if self.job.include_usage:
             body["usage"] = None
         return _sse(body)

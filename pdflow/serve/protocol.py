@@ -17,8 +17,11 @@ Accepted as vLLM accepts them (what evaluation and benchmark clients send):
   the others). Every usage says ``prompt_tokens_details.cached_tokens``: the prompt tokens
   served from the prefix cache (under P/D, the decode side's: tokens whose KV did not move).
 
+- ``return_token_ids``: each choice also carries ``token_ids`` (its output ids; streamed,
+  the chunk's) and ``prompt_token_ids`` (streamed: in the choice's first chunk).
+
 Refused (400): penalties, ``logit_bias``, ``suffix``, tools. pdflow extensions, as vLLM
-names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -105,6 +108,10 @@ class SamplingFields(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # vLLM's: each choice also carries its token ids (streamed: the chunk's, and the
+    # prompt's in the choice's first chunk), so a client can extend a conversation by the
+    # exact tokens it was answered with rather than re-tokenizing the text.
+    return_token_ids: bool | None = None
 
     @field_validator("stop")
     @classmethod
