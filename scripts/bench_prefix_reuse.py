@@ -3,7 +3,9 @@
 
 ``--mode separate`` (default, CPU): one prefill and two (``--decodes``) decode instances, each its own
 ``pdflow serve`` process, behind a router; ``workload=multiturn`` (conversations whose
-later turns repeat ``--reuse`` of their prompt) driven over HTTP. Phases, each with two
+later turns repeat ``--reuse`` of their prompt: the turn before and its answer, sent once
+that answer is back, as a chat client does; ``--open-loop``: the turn before alone, every
+turn built ahead) driven over HTTP. Phases, each with two
 fresh decode instances and a seed of its own (the one prefill instance's cache then never
 holds a phase's prompts ahead of it):
 
@@ -33,6 +35,7 @@ workload with no reuse. The GPU figure:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -67,6 +70,11 @@ def parse_args() -> argparse.Namespace:
                    help="separate mode: run the phases this many times (fresh instances each time, the same "
                         "prompts), print each repeat's ratios, then the ratios of the p50s over every repeat's "
                         "requests pooled (a 30-request p50 on a busy 2-core machine swings by +-8%%)")
+    p.add_argument("--open-loop", action="store_true",
+                   help="the workload's fold_answers=false: every turn built ahead, the answers left out of "
+                        "the next turn (the shape of this bench's figures before answers were folded in)")
+    p.add_argument("--dump", default=None, help="separate mode: write each phase's request rows (turn, TTFT, "
+                   "cached tokens, ...) to DIR/<phase>_<repeat>.json")
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
     return p.parse_args()
 
@@ -122,20 +130,19 @@ def workload_spec(args, seed: int):
     return WorkloadSpec(kind="multiturn", num_requests=args.conversations * args.turns,
                         conversations=args.conversations, concurrency=args.concurrency,
                         prompt_tokens=args.prompt_tokens, prefix_reuse=args.reuse, max_tokens=args.max_tokens,
-                        seed=seed, progress=False)
+                        seed=seed, progress=False, fold_answers=not args.open_loop)
 
 
-def workload_bounds(args) -> tuple[float, float]:
-    """The hit rate a perfect router gets and random placement's, for the on phase's seed."""
-    from pdflow.bench.workloads import build_workloads
+def workload_bounds(args, turns: dict) -> tuple[float, float]:
+    """The hit rate a perfect router gets and random placement's, over a phase's turns."""
     from pdflow.bench.workloads.multiturn import hit_rate_bounds
 
-    (w,) = build_workloads(workload_spec(args, seed=20), vocab=128, block_tokens=16)
-    return hit_rate_bounds(w.requests(), args.decodes, 16)
+    return hit_rate_bounds(turns, args.decodes, 16)
 
 
-def drive_phase(args, router: str, prefill: str, seed: int) -> dict:
+def drive_phase(args, router: str, prefill: str, seed: int, label: str) -> dict:
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
+    from pdflow.bench.workloads.multiturn import turn_lengths
 
     spec = workload_spec(args, seed)
     sent = counter(prefill, "pdflow_kv_sent_bytes_total")
@@ -144,8 +151,14 @@ def drive_phase(args, router: str, prefill: str, seed: int) -> dict:
     if len(rows) != spec.num_requests:
         raise RuntimeError(f"{spec.num_requests - len(rows)} requests failed: {result.rows[0]}")
     ttfts = [r["ttft_s"] for r in rows]
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        n = sum(1 for f in os.listdir(args.dump) if f.startswith(f"{label}_"))
+        with open(os.path.join(args.dump, f"{label}_{n + 1}.json"), "w") as f:
+            json.dump(rows, f)
     return {"bytes": counter(prefill, "pdflow_kv_sent_bytes_total") - sent, "ttft_p50": statistics.median(ttfts),
-            "hit_rate": result.metrics["multiturn_cache_hit_rate"], "ttfts": ttfts}
+            "hit_rate": result.metrics["multiturn_cache_hit_rate"], "ttfts": ttfts,
+            "turns": turn_lengths(rows, answers_folded=spec.fold_answers)}
 
 
 def separate(args) -> dict[str, dict]:
@@ -173,10 +186,11 @@ def separate(args) -> dict[str, dict]:
                 router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
                                f"router.policy={policy}", *args.set)
                 try:
-                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i)
+                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i, label=label)
                 finally:
                     stop([router])
-                print(f"{label:9s} { {k: v for k, v in out[label].items() if k != 'ttfts'} }", flush=True)
+                print(f"{label:9s} { {k: v for k, v in out[label].items() if k not in ('ttfts', 'turns')} }",
+                      flush=True)
             stop(decode)
         return out
     finally:
@@ -191,7 +205,7 @@ def deployment(args) -> dict[str, dict]:
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     out = {}
     with Deployment(compose([*base(args.set), *args.set])) as d:
-        from pdflow.bench.workloads import build_workloads
+        from pdflow.bench.workloads import RequestResult, build_workloads
 
         warm = workload_spec(args, seed=0)  # untimed: the first steps of each shape build and compile
         d.generate([r.prompt for r in build_workloads(warm, vocab=d.consumer.config.vocab_size)[0].requests()],
@@ -203,13 +217,19 @@ def deployment(args) -> dict[str, dict]:
             spec.prefix_reuse = share
             (w,) = build_workloads(spec, vocab=d.consumer.config.vocab_size)
             ttfts, cached, prompt, sent = [], 0, 0, d.kv_bytes_sent
-            for req in w.requests():
-                began = time.perf_counter()
+            queue = list(w.requests())  # closed loop: each answer makes its conversation's next turn
+            while queue:
+                req = queue.pop(0)
+                began, ids = time.perf_counter(), []
                 for tok in d.stream([req.prompt], sampling):
                     if tok.index == 0:
                         ttfts.append(time.perf_counter() - began)
                         cached += tok.num_cached_tokens
+                    ids.append(tok.token_id)
                 prompt += len(req.prompt)
+                if w.closed_loop and (after := w.follow_up(req, RequestResult(
+                        ok=True, completion_tokens=len(ids), token_ids=ids))) is not None:
+                    queue.append(after)
             out[label] = {"bytes": d.kv_bytes_sent - sent, "ttft_p50": statistics.median(ttfts),
                           "hit_rate": cached / prompt}
             print(f"{label:18s} {out[label]}", flush=True)
@@ -225,7 +245,8 @@ def pooled(runs: list[dict[str, dict]]) -> dict[str, dict]:
                 f"{label} {run[label]['ttft_p50'] / off['ttft_p50']:.3f}x" for label in run if label != "off"))
     return {label: {"bytes": statistics.median(r[label]["bytes"] for r in runs),
                     "ttft_p50": statistics.median(t for r in runs for t in r[label]["ttfts"]),
-                    "hit_rate": statistics.fmean(r[label]["hit_rate"] for r in runs)} for label in runs[0]}
+                    "hit_rate": statistics.fmean(r[label]["hit_rate"] for r in runs),
+                    "turns": runs[0][label]["turns"]} for label in runs[0]}
 
 
 def main() -> None:
@@ -236,7 +257,9 @@ def main() -> None:
         out = deployment(args)
     on, off = out.get("on"), out.get("off")
     print(f"\nprefix reuse at {args.reuse:.0%}, {args.conversations} conversations x {args.turns} turns, "
-          f"first prompt {args.prompt_tokens} tokens, mode={args.mode}, set={args.set}"
+          f"first prompt {args.prompt_tokens} tokens, {args.max_tokens}-token answers "
+          f"{'left out (open loop)' if args.open_loop else 'folded into the next turn (closed loop)'}, "
+          f"mode={args.mode}, set={args.set}"
           + (f", p50s over {args.repeat} repeats' requests pooled" if args.mode == "separate" and args.repeat > 1 else ""))
     if on and off:
         print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")
@@ -254,7 +277,7 @@ def main() -> None:
         print(f"decode hit rate prefix/rr: {on['hit_rate']:.3f} / {out['rr']['hit_rate']:.3f} = "
               f"{on['hit_rate'] / max(out['rr']['hit_rate'], 1e-9):.2f}x (goal >= 1.5x)")
     if args.mode == "separate" and ("rr" in out or on):
-        best, rand = workload_bounds(args)
+        best, rand = workload_bounds(args, (on or out["rr"])["turns"])
         print(f"this workload's bounds at {args.decodes} decode instances (no eviction): best {best:.3f}, "
               f"random placement {rand:.3f} = {best / rand:.2f}x apart")
     if "no-reuse-workload" in out and on:

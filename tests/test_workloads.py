@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.bench.workloads import RequestResult, Target, WorkloadFailed, build_workloads, drive, prepare
 from pdflow.bench.workloads.load import TraceError
-from pdflow.bench.workloads.multiturn import hit_rate_bounds
+from pdflow.bench.workloads.multiturn import hit_rate_bounds, turn_lengths
 from pdflow.bench.workloads.runner import run_workloads
 from pdflow.bench.workloads.stats import draft_metrics, latency_metrics, percentile
 from pdflow.serve.server import ServerThread
@@ -195,7 +195,8 @@ def test_runner_keeps_each_workloads_own_figures_beside_the_prefixed_flat_metric
 
 def test_multiturn_later_turns_repeat_the_turn_before_in_round_order():
     (w,) = build_workloads(spec(kind="multiturn", num_requests=15, conversations=5, prompt_tokens=64,
-                                prefix_reuse=0.8, max_tokens=3), vocab=128, block_tokens=16, kv_bytes_per_block=100)
+                                prefix_reuse=0.8, max_tokens=3, fold_answers=False), vocab=128, block_tokens=16,
+                           kv_bytes_per_block=100)
     reqs = w.requests()
     assert [r.meta["turn"] for r in reqs] == [0] * 5 + [1] * 5 + [2] * 5
     last = {}
@@ -207,7 +208,7 @@ def test_multiturn_later_turns_repeat_the_turn_before_in_round_order():
         last[c] = r.prompt
     assert [r.meta["conversation"] for r in reqs[5:10]] != [r.meta["conversation"] for r in reqs[:5]]  # shuffled
     (fresh,) = build_workloads(spec(kind="multiturn", num_requests=4, conversations=2, prompt_tokens=32,
-                                    prefix_reuse=0.0), vocab=128)
+                                    prefix_reuse=0.0, fold_answers=False), vocab=128)
     assert all(len(r.prompt) == 32 for r in fresh.requests())
     task, _ = w.score(reqs[:2], [ok(prompt_tokens=80, cached_tokens=64), ok(prompt_tokens=64, cached_tokens=0)])
     assert task["multiturn_cache_hit_rate"] == pytest.approx(64 / 144)
@@ -217,16 +218,108 @@ def test_multiturn_later_turns_repeat_the_turn_before_in_round_order():
 def test_multiturn_hit_rate_bounds_the_routing_ratio_by_the_workloads_shape():
     """One instance: placing at random is the best (every turn meets its previous one).
     The best is each turn's previous prompt in full blocks over all prompt tokens; with
-    more instances random placement finds less (the acceptance's 2 at 80%: ~1.3x apart)."""
+    more instances random placement finds less (the acceptance's 2 at 80%: ~1.3x apart).
+    With answers folded, a turn also finds the answer before it (less its last token)."""
     (w,) = build_workloads(spec(kind="multiturn", num_requests=30, conversations=5, prompt_tokens=128,
-                                prefix_reuse=0.8, max_tokens=3), vocab=128, block_tokens=16)
+                                prefix_reuse=0.8, max_tokens=3, fold_answers=False), vocab=128, block_tokens=16)
     reqs = w.requests()
-    best, one = hit_rate_bounds(reqs, 1, 16, trials=50)
+    rows = [{"prompt_tokens": len(r.prompt), "completion_tokens": 3} | r.meta for r in reqs]
+    turns = turn_lengths(rows, answers_folded=False)
+    best, one = hit_rate_bounds(turns, 1, 16, trials=50)
     assert one == pytest.approx(best)
     lens = sorted(len(r.prompt) for r in reqs if r.meta["conversation"] == 0)
     want = sum(n // 16 * 16 for n in lens[:-1]) / sum(lens)  # every conversation has the same lengths
     assert best == pytest.approx(want)
-    _, two = hit_rate_bounds(reqs, 2, 16)
-    _, four = hit_rate_bounds(reqs, 4, 16)
+    _, two = hit_rate_bounds(turns, 2, 16)
+    _, four = hit_rate_bounds(turns, 4, 16)
     assert best > two > four
     assert 1.2 < best / two < 1.45 and best / four > 1.5
+    folded = turn_lengths([{"conversation": 0, "turn": 0, "prompt_tokens": 30, "completion_tokens": 4},
+                           {"conversation": 0, "turn": 1, "prompt_tokens": 43, "completion_tokens": 4}], True)
+    assert folded == {0: [(30, 33), (43, 46)]}
+    assert hit_rate_bounds(folded, 1, 16, trials=1)[0] == pytest.approx(32 / 73)  # 33 held: 2 full blocks
+
+
+def test_multiturn_folds_each_answer_into_the_next_turn():
+    """Closed loop: the first turns only, shuffled; a follow-up is the prompt, the answer's
+    ids and new tokens making the repeated part 80%; the same whatever order answers came
+    in; none after a conversation's last turn or a failed one; an answer without its ids
+    is refused (re-tokenizing the text could differ from what the decode instance holds)."""
+    s = spec(kind="multiturn", num_requests=7, conversations=3, prompt_tokens=40, prefix_reuse=0.8, max_tokens=4)
+    (w,) = build_workloads(s, vocab=128)
+    first = w.requests()
+    assert w.closed_loop and sorted(r.meta["conversation"] for r in first) == [0, 1, 2]
+    assert all(len(r.prompt) == 40 and r.return_token_ids and r.meta["turn"] == 0 for r in first)
+    assert [w.turns_of(c) for c in range(3)] == [3, 2, 2]
+    answer = ok(completion_tokens=4, token_ids=[5, 6, 7, 8])
+    nxt = w.follow_up(first[0], answer)
+    history = first[0].prompt + [5, 6, 7, 8]
+    assert nxt.prompt[:44] == history and len(nxt.prompt) == 44 + 11 and nxt.meta["turn"] == 1
+    assert nxt.meta["conversation"] == first[0].meta["conversation"]
+    (again,) = build_workloads(s, vocab=128)
+    assert again.follow_up(again.requests()[0], answer).prompt == nxt.prompt
+    c2 = next(r for r in first if r.meta["conversation"] == 2)
+    assert w.follow_up(w.follow_up(c2, answer), answer) is None  # conversation 2 has two turns
+    assert w.follow_up(c2, RequestResult(ok=False, error="HTTP 500")) is None
+    with pytest.raises(WorkloadFailed, match="return_token_ids"):
+        w.follow_up(c2, ok(completion_tokens=4))
+
+
+def answering_server(delay: float) -> FastAPI:
+    """Streams two chunks ``delay`` apart whose token ids are read off the prompt (its
+    length, its last token), so a follow-up shows which answer it was built from; records
+    the peak in flight and each prompt in arrival order."""
+    app = FastAPI()
+    app.state.live = app.state.peak = 0
+    app.state.prompts = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        prompt = body["prompt"]
+        app.state.prompts.append(prompt)
+        app.state.live += 1
+        app.state.peak = max(app.state.peak, app.state.live)
+        ids = [len(prompt) % 100, prompt[-1]] if body.get("return_token_ids") else []
+
+        async def chunks():
+            try:
+                for i in range(2):
+                    await asyncio.sleep(delay)
+                    choice = {"text": "x", "finish_reason": None} | ({"token_ids": ids[i:i + 1]} if ids else {})
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": 2}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+            finally:
+                app.state.live -= 1
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_runner_drives_multiturn_closed_loop_with_each_answer_in_the_next_prompt():
+    """Every turn is sent, each only after the answer it extends came back, at most
+    ``concurrency`` in flight; a follow-up's prompt holds its answer's ids (the server's
+    own), and the rows are the requests as sent."""
+    s = spec(kind="multiturn", num_requests=9, conversations=4, prompt_tokens=20, prefix_reuse=0.5,
+             max_tokens=2, concurrency=2, progress=False)
+    app = answering_server(0.01)
+    with ServerThread(app) as server:
+        result = asyncio.run(run_workloads(Target(url=server.url, model="m"), prepare(build_workloads(s, vocab=128)),
+                                           s))
+    rows = result.rows
+    assert len(rows) == 9 and all(r["ok"] for r in rows) and app.state.peak == 2
+    assert sorted((r["conversation"], r["turn"]) for r in rows) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                                     (2, 0), (2, 1), (3, 0), (3, 1)]
+    by_turn = {(r["conversation"], r["turn"]): r for r in rows}
+    for (c, t), r in by_turn.items():
+        if t:
+            before = by_turn[(c, t - 1)]
+            assert r["sent_at_s"] >= before["sent_at_s"] + before["latency_s"]
+            assert r["prompt_tokens"] == 2 * (before["prompt_tokens"] + 2)  # reuse 0.5: as many new tokens
+    for prompt in app.state.prompts:
+        if len(prompt) > 20:  # a follow-up: its history ends with the answer to the turn before
+            n = len(prompt) // 2
+            history = prompt[:n]
+            assert history[-2:] == [(n - 2) % 100, history[-3]]

@@ -105,6 +105,10 @@ class WorkloadSpec:
     # turn's prompt that repeats the turn before it (0: no reuse).
     conversations: int = 4
     prefix_reuse: float = 0.8
+    # multiturn: each later turn carries the answer to the turn before (the model's own
+    # tokens, as a chat client sends them), so a conversation's next turn goes out once
+    # its answer is back (closed loop); false: every turn built ahead, answers left out.
+    fold_answers: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:

@@ -19,6 +19,9 @@ class WorkRequest:
     ignore_eos: bool = False
     arrival_s: float | None = None
     meta: dict = field(default_factory=dict)
+    # Ask for the answer's token ids (the API's ``return_token_ids``): a multi-turn
+    # conversation extends its next turn by them.
+    return_token_ids: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +45,8 @@ class RequestResult:
     num_verify_steps: int | None = None
     # usage.prompt_tokens_details.cached_tokens, when the server reports it.
     cached_tokens: int | None = None
+    # The answer's token ids, when the request asked for them (``return_token_ids``).
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +74,17 @@ class Workload(Protocol):
         dict[str, float], dict[str, dict[str, float]]
     ]:
         """Task metrics and breakdowns; latency metrics are added by the runner."""
+
+
+class TurnTaking(Protocol):
+    """A closed-loop workload: ``requests()`` are the first turns, and each answer may
+    make the next request (a chat client's conversation). The runner drives such a
+    workload with ``client.drive_turns``."""
+
+    closed_loop: bool
+
+    def follow_up(self, request: WorkRequest, result: RequestResult) -> WorkRequest | None:
+        """The request that comes once ``request`` was answered with ``result``; None: none."""
 
 
 class WorkloadFailed(RuntimeError):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -34,6 +36,8 @@ def payload(target: Target, req: WorkRequest) -> dict:
         body["stop"] = req.stop
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.return_token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -62,6 +66,7 @@ async def send(client: httpx.AsyncClient, target: Target, req: WorkRequest, t0: 
                     chunk_times.append(time.perf_counter() - start)
                     choice = chunk["choices"][0]
                     result.text += choice.get("text") or ""
+                    result.token_ids += choice.get("token_ids") or []
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 if chunk.get("usage"):
                     _take_usage(result, chunk["usage"])
@@ -91,21 +96,29 @@ def _message(body: str) -> str:
         return body[:300]
 
 
+def _client(target: Target, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(base_url=target.url, headers=headers, limits=limits,
+                             timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+
+def _bar(progress: bool, total: int, label: str) -> Progress:
+    console = Console(stderr=True)
+    show = progress and total >= PROGRESS_MIN_REQUESTS and console.is_terminal
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not show)
+
+
 async def drive(
     target: Target, requests: list[WorkRequest], *, concurrency: int, timeout_s: float,
     progress: bool = True, label: str = "requests",
 ) -> tuple[list[RequestResult], float]:
     """Results in request order and the wall time from the first send to the last answer.
     Requests with ``arrival_s`` wait for it (trace replay, Poisson load) before queueing."""
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    console = Console(stderr=True)
-    show = progress and len(requests) >= PROGRESS_MIN_REQUESTS and console.is_terminal
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True, disable=not show)
+    bar = _bar(progress, len(requests), label)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=target.url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+    async with _client(target, concurrency, timeout_s) as client:
         with bar:
             task = bar.add_task(label, total=len(requests))
             t0 = time.perf_counter()
@@ -121,3 +134,52 @@ async def drive(
             results = await asyncio.gather(*(one(r) for r in requests))
             wall = time.perf_counter() - t0
     return list(results), wall
+
+
+async def drive_turns(
+    target: Target, first: list[WorkRequest], follow_up: Callable[[WorkRequest, RequestResult], WorkRequest | None],
+    *, concurrency: int, timeout_s: float, progress: bool = True, label: str = "requests", total: int = 0,
+) -> tuple[list[WorkRequest], list[RequestResult], float]:
+    """Closed loop: ``first`` are ready at the start; each answer may make a next request
+    (``follow_up``), ready once that answer is back. At most ``concurrency`` in flight,
+    ready requests sent in the order they became ready. Returns the requests in the order
+    they were sent, their results, and the wall time. ``total``: the expected count, for
+    the progress bar only."""
+    ready, sent, results = deque(first), [], []
+    in_flight = 0
+    changed = asyncio.Condition()
+    bar = _bar(progress, total or len(first), label)
+    async with _client(target, concurrency, timeout_s) as client:
+        with bar:
+            task = bar.add_task(label, total=total or len(first))
+            t0 = time.perf_counter()
+
+            def can_go() -> bool:  # a request is ready, or none is in flight to make one
+                return bool(ready) or in_flight == 0
+
+            async def sender() -> None:
+                nonlocal in_flight
+                while True:
+                    async with changed:
+                        await changed.wait_for(can_go)
+                        if not ready:  # nothing ready and nothing in flight: every conversation ended
+                            return
+                        req, slot = ready.popleft(), len(sent)
+                        sent.append(req)
+                        results.append(None)
+                        in_flight += 1
+                    after = None
+                    try:
+                        results[slot] = result = await send(client, target, req, t0)
+                        bar.advance(task)
+                        after = follow_up(req, result)
+                    finally:  # a follow-up that raises still lets the other senders finish
+                        async with changed:
+                            in_flight -= 1
+                            if after is not None:
+                                ready.append(after)
+                            changed.notify_all()
+
+            await asyncio.gather(*(sender() for _ in range(concurrency)))
+            wall = time.perf_counter() - t0
+    return sent, results, wall

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
-from pdflow.bench.workloads.client import Target, drive
+from pdflow.bench.workloads.client import Target, drive, drive_turns
 from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
 from pdflow.bench.workloads.multiturn import MultiTurnWorkload
@@ -42,7 +42,7 @@ def _rows(phase: str, requests: list[WorkRequest], results: list[RequestResult])
         rows.append({
             "workload": phase, "index": i, "ok": r.ok, "error": r.error, "finish_reason": r.finish_reason,
             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "ttft_s": r.ttft_s,
-            "latency_s": r.latency_s, "sent_at_s": r.sent_at_s, "output": r.text,
+            "latency_s": r.latency_s, "sent_at_s": r.sent_at_s, "output": r.text, "cached_tokens": r.cached_tokens,
         } | {k: v for k, v in q.meta.items()})
     return rows
 
@@ -78,9 +78,15 @@ async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpe
     breakdowns: dict[str, dict[str, float]] = {}
     per_workload: dict[str, dict[str, float]] = {}
     for workload, requests in prepared:
-        results, wall = await drive(target, requests, concurrency=spec.concurrency,
-                                    timeout_s=spec.request_timeout_s, progress=spec.progress,
-                                    label=workload.name)
+        if getattr(workload, "closed_loop", False):  # a TurnTaking workload: the answers make the rest
+            requests, results, wall = await drive_turns(
+                target, requests, workload.follow_up, concurrency=spec.concurrency,
+                timeout_s=spec.request_timeout_s, progress=spec.progress, label=workload.name,
+                total=spec.num_requests)
+        else:
+            results, wall = await drive(target, requests, concurrency=spec.concurrency,
+                                        timeout_s=spec.request_timeout_s, progress=spec.progress,
+                                        label=workload.name)
         if requests and not any(r.ok for r in results):
             raise WorkloadFailed(f"all {len(results)} {workload.name} requests failed; the first: "
                                  f"{results[0].error}")
