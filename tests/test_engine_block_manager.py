@@ -108,3 +108,24 @@ def test_peek_prefix_counts_what_match_prefix_would_take_and_takes_nothing():
     assert bm.peek_prefix(list(range(8))) == 4  # the last token is never served from cache
     off = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     assert off.peek_prefix(prompt) == 0
+
+
+def test_producer_held_blocks_are_a_leading_run_and_forgotten_on_eviction():
+    """A remote prefill's prompt blocks are marked (the producer computed them); blocks
+    this instance computed after them are not, so ``peek_prefix_sources`` reports the
+    cached run and its leading marked part. An evicted block loses the mark."""
+    bm = BlockManager(num_blocks=5, block_size=BS, enable_prefix_caching=True)
+    remote = computed(bm, seq(list(range(9)), "remote"))  # 2 full blocks, as a remote prefill lands
+    bm.mark_producer_held(remote)
+    bm.free(remote)
+    local = seq(list(range(16)) + [99], "local")  # blocks 0-1 from the cache, 2-3 computed here
+    bm.match_prefix(local)
+    computed(bm, local)
+    bm.free(local)
+    assert bm.peek_prefix_sources(list(range(16)) + [7]) == (16, 8)
+    assert bm.peek_prefix_sources(list(range(8)) + [7]) == (8, 8)
+    stranger = computed(bm, seq([100 + i for i in range(20)], "stranger"))  # the whole pool
+    bm.free(stranger)
+    again = computed(bm, seq(list(range(9)), "again"))  # the same tokens, computed here this time
+    bm.free(again)
+    assert bm.peek_prefix_sources(list(range(8)) + [7]) == (8, 0)

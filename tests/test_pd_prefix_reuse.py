@@ -59,7 +59,34 @@ def _serve(d, seed, *, prefix_reuse=True, local_prefill_tokens=0, patch=None):
 @pytest.fixture(scope="module")
 def one_process():
     with Deployment(compose([*SPEC, "mode=monolithic"])) as d:
-        return {seed: _serve(d, seed)[0] for seed in (1, 2, 3, 4)}
+        return {seed: _serve(d, seed)[0] for seed in (1, 2, 3, 4)} | {
+            "chat": _chat(d, 5)[0], "chat_off": _chat(d, 6, factor=0)[0], "held": _chat(d, 7, news=(40,))[0]}
+
+
+def _chat(d, seed, *, factor=2.0, news=(24, 14, 30)):
+    """A conversation whose answers fold into the next turn (local prefill below 40
+    tokens): turn one (70 tokens) remote, turns two and three (36 and 24 uncached) local,
+    so the producer never computed their blocks; turn four's uncached part is 44 tokens
+    (not short), while a producer would recompute 92 (from turn one's 64 on). Tokens of
+    every turn, the last turn's cached count, blocks exported for it, admission counts for
+    it. ``news``: the tokens each later turn adds after the answer."""
+    router = d.spec.router
+    router.local_prefill_tokens, router.local_prefill_factor = 40, factor
+    gen = torch.Generator().manual_seed(seed)
+    prompt, outs = torch.randint(4, 128, (70,), generator=gen).tolist(), []
+    try:
+        for new in news:
+            outs += d.generate([prompt], GREEDY)
+            prompt = prompt + outs[-1].token_ids + torch.randint(4, 128, (new,), generator=gen).tolist()
+        sent = d.producer.exported_blocks if d.producer is not None else 0
+        before = dataclasses.replace(d.reuse)
+        outs += d.generate([prompt], GREEDY)
+    finally:
+        router.local_prefill_tokens, router.local_prefill_factor = 0, 2.0
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    exported = (d.producer.exported_blocks - sent) if d.producer is not None else 0
+    counts = {f.name: getattr(d.reuse, f.name) - getattr(before, f.name) for f in dataclasses.fields(before)}
+    return [o.token_ids for o in outs], outs[-1].num_cached_prompt_tokens, exported, counts
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +111,26 @@ def test_short_uncached_part_prefills_on_the_consumer(one_process, pd):
     assert tokens == one_process[3]
     assert exported == 0 and counts["local_prefills"] == 2
     assert cached == [64, 64]
+
+
+def test_a_turn_whose_producer_would_recompute_the_conversation_prefills_locally(one_process, pd):
+    """Turns prefilled locally leave the producer without their blocks: the next longer
+    turn would have it recompute from turn one. With ``local_prefill_factor`` it is
+    prefilled here (no transfer, counted); with the factor off it goes remote and moves
+    its 3 uncached blocks. A turn whose prefix the producer computed (turn one, remote)
+    still goes remote though as long (52 tokens here and there): the guess follows where
+    blocks came from. All decode one process's tokens."""
+    tokens, cached, exported, counts = _chat(pd, 5)
+    assert tokens == one_process["chat"]
+    assert cached == 112 and exported == 0
+    assert counts["local_prefills"] == counts["local_for_producer_misses"] == 1
+    off, cached_off, exported_off, counts_off = _chat(pd, 6, factor=0)
+    assert off == one_process["chat_off"]
+    assert cached_off == 112 and exported_off == 3
+    assert counts_off["remote_prefills"] == 1 and counts_off["local_for_producer_misses"] == 0
+    held, cached_held, exported_held, counts_held = _chat(pd, 7, news=(40,))
+    assert held == one_process["held"]
+    assert cached_held == 64 and exported_held == 4 and counts_held["remote_prefills"] == 1
 
 
 def test_an_export_that_ignores_the_suffix_start_is_caught(one_process, pd, monkeypatch):

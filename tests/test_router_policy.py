@@ -105,6 +105,8 @@ def test_a_bad_router_policy_is_refused_by_name():
         compose(["router.policy=nearest"])
     with pytest.raises(ConfigError, match="local_prefill_tokens"):
         compose(["router.local_prefill_tokens=-1"])
+    with pytest.raises(ConfigError, match="local_prefill_factor must be above 1"):
+        compose(["router.local_prefill_factor=1.0"])
 
 
 def test_load_policy_breaks_an_in_flight_tie_by_free_kv_blocks():

@@ -26,6 +26,10 @@ class Block:
     ref_count: int = 0
     hash: int | None = NO_HASH
     token_ids: tuple[int, ...] = ()
+    # P/D consumer: a producer computed these tokens too (they were in a remote prefill's
+    # prompt), so its prefix cache likely holds them; blocks this instance computed
+    # itself (a local prefill, its generated tokens) a producer never saw.
+    producer_held: bool = False
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -80,6 +84,22 @@ class BlockManager:
         """Tokens ``match_prefix`` would serve from cache for this prompt, taking nothing
         (P/D: whether a prompt's uncached part is short enough to prefill locally)."""
         return len(self._cached_run(token_ids)) * self.block_size
+
+    def peek_prefix_sources(self, token_ids: list[int]) -> tuple[int, int]:
+        """(``peek_prefix``, the tokens of that cached run a producer also computed: its
+        leading producer-held blocks). P/D: what a remote prefill would have the producer
+        recompute, a guess (the producer's own cache may have evicted them since)."""
+        run = self._cached_run(token_ids)
+        held = next((i for i, (block_id, _) in enumerate(run) if not self.blocks[block_id].producer_held), len(run))
+        return len(run) * self.block_size, held * self.block_size
+
+    def mark_producer_held(self, seq: Sequence) -> None:
+        """A remote prefill of ``seq`` landed: its producer computed the whole prompt, so
+        every full prompt block (the cached copy, where a twin holds the hash) is one
+        the producer's prefix cache can serve."""
+        for h in seq.block_hashes[: seq.num_prompt_tokens // self.block_size]:
+            if (block_id := self.cached.get(h)) is not None:
+                self.blocks[block_id].producer_held = True
 
     def _cached_run(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(block id, hash) of the cached blocks that hold the prompt's leading full blocks,
@@ -149,4 +169,4 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not NO_HASH and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
-        block.hash, block.token_ids = NO_HASH, ()
+        block.hash, block.token_ids, block.producer_held = NO_HASH, (), False

@@ -350,6 +350,7 @@ class LLMEngine:
             seq.prompt_top_logprobs = list(first.prompt_top_logprobs or [])
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.blocks.commit(seq)
+        self.blocks.mark_producer_held(seq)
         seq.status = SequenceStatus.RUNNING
         seq.fresh = True  # the drafter adopts the prompt's transferred draft context
         self.scheduler.running.append(seq)

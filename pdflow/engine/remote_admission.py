@@ -18,6 +18,7 @@ from pdflow.engine.llm_engine import LLMEngine
 from pdflow.engine.outputs import TokenOutput
 from pdflow.engine.sampling_params import SamplingParams
 from pdflow.engine.sequence import KVTarget
+from pdflow.spec.router import RouterSpec
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +27,9 @@ class ReuseCounts:
 
     remote_prefills: int = 0
     local_prefills: int = 0
+    # Of the local ones: prefilled here because a producer would recompute much more
+    # (``router.local_prefill_factor``), though the uncached part was not short.
+    local_for_producer_misses: int = 0
     # Prompt tokens a remote prefill did not move: they were in this instance's cache.
     reused_tokens: int = 0
     # Prompt blocks producers were asked to write into this instance.
@@ -43,14 +47,15 @@ class Admission:
 
 def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: SamplingParams, request_id: str, *,
                       counts: ReuseCounts, consumer_id: str = "") -> Admission:
-    """Admit ``prompt`` on ``consumer``: locally (its uncached part is below
-    ``router.local_prefill_tokens``), or parked for a producer's KV into the blocks after
-    its cached prefix (``router.prefix_reuse``) or into all of them."""
+    """Admit ``prompt`` on ``consumer``: locally (``prefills_locally``), or parked for a
+    producer's KV into the blocks after its cached prefix (``router.prefix_reuse``) or
+    into all of them."""
     router = consumer.spec.router
-    cached = consumer.blocks.peek_prefix(prompt) if router.prefix_reuse else 0
-    if len(prompt) - cached < router.local_prefill_tokens:
+    here, there = _uncached(consumer, prompt)
+    if here < router.local_prefill_tokens or _producer_misses(router, here, there):
         consumer.add_request(prompt, sampling, request_id)
         counts.local_prefills += 1
+        counts.local_for_producer_misses += int(here >= router.local_prefill_tokens)
         return Admission(local=True)
     blocks = consumer.add_remote_request(prompt, sampling, request_id, reuse_prefix=router.prefix_reuse)
     if blocks is None:
@@ -62,6 +67,22 @@ def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: Sampling
     counts.requested_blocks += len(suffix)
     return Admission(target=KVTarget(blocks=suffix, nonce=consumer.instance.kv_nonce(list(suffix)),
                                      consumer=consumer_id, first_block=first))
+
+
+def _uncached(consumer: LLMEngine, prompt: list[int]) -> tuple[int, int]:
+    """The prompt tokens this consumer would compute, and those a producer would (a guess:
+    all but the leading blocks a producer computed for this consumer before)."""
+    if not consumer.spec.router.prefix_reuse:
+        return len(prompt), len(prompt)
+    cached, producer_held = consumer.blocks.peek_prefix_sources(prompt)
+    return len(prompt) - cached, len(prompt) - producer_held
+
+
+def _producer_misses(router: RouterSpec, here: int, there: int) -> bool:
+    """Local prefill is on and a producer would compute ``router.local_prefill_factor``
+    times what this instance would, or more."""
+    return bool(router.local_prefill_tokens and router.local_prefill_factor
+                and there >= router.local_prefill_factor * here)
 
 
 def settle_remote(consumer: LLMEngine, request_id: str, first: TokenOutput | None, error: str | None, *,

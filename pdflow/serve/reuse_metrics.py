@@ -6,7 +6,8 @@ prefix cache served. Prefill side: ``pdflow_kv_sent_blocks_total`` and
 ``pdflow_kv_sent_bytes_total`` (prompt KV handed to the sender). Decode side:
 ``pdflow_kv_received_blocks_total``/``_bytes_total`` (blocks producers were asked to
 write here), ``pdflow_kv_reused_tokens_total`` (prompt tokens that did not move: this
-instance had them) and ``pdflow_prefills_total{where=remote|local}``. A separately
+instance had them), ``pdflow_prefills_total{where=remote|local}`` and
+``pdflow_local_prefills_for_producer_misses_total``. A separately
 started instance reports its side; ``Deployment`` behind one server reports both.
 """
 
@@ -54,3 +55,6 @@ class ReuseCollector:
         family.add_metric(["remote"], c.remote_prefills)
         family.add_metric(["local"], c.local_prefills)
         yield family
+        yield CounterMetricFamily("pdflow_local_prefills_for_producer_misses", "Local prefills whose uncached "
+                                  "part was not short, taken here because a producer would have recomputed "
+                                  "router.local_prefill_factor times as much.", value=c.local_for_producer_misses)

@@ -22,6 +22,12 @@ class RouterSpec:
     # Decode side: a prompt whose uncached part is shorter than this many tokens is
     # prefilled by the decode instance itself (no transfer); 0: never.
     local_prefill_tokens: int = 0
+    # Decode side, with local prefill on: also prefill locally when a producer would have
+    # to compute at least this many times the tokens this instance would, because its
+    # cache lacks what this instance computed itself (earlier local prefills, generated
+    # answers): a conversation's turns prefilled here would otherwise send a longer turn
+    # to a producer that recomputes the whole conversation. 0: off.
+    local_prefill_factor: float = 2.0
     # Prefix policy: block hashes the router remembers per decode instance (LRU bound).
     index_blocks: int = 65536
     # Load policy: a prefill instance with this many prefills in flight (sent, their decode
@@ -35,6 +41,9 @@ class RouterSpec:
         if self.local_prefill_tokens < 0 or self.max_prefills_in_flight < 0:
             raise ValueError("router.local_prefill_tokens and router.max_prefills_in_flight must be >= 0 "
                              "(0: never prefill locally / no limit)")
+        if self.local_prefill_factor != 0 and self.local_prefill_factor <= 1:
+            raise ValueError(f"router.local_prefill_factor must be above 1 (a producer computing at least that "
+                             f"many times this instance's tokens), or 0 (off); got {self.local_prefill_factor}")
         if self.index_blocks < 1:
             raise ValueError(f"router.index_blocks must be >= 1 (block hashes kept per decode instance), "
                              f"got {self.index_blocks}")
