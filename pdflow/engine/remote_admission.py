@@ -6,8 +6,9 @@ admit and settle the same way, so the choice, the counts and the outcome live in
 matches the prompt against its own prefix cache (whole blocks) and allocates only the
 uncached suffix; the ``KVTarget`` names just those blocks (``first_block`` on), so the
 producer, which still computes the whole prompt (from its own prefix cache where it
-can), writes only them. A prompt whose uncached part is short, or one no producer can
-take now, is prefilled by the consumer itself: no transfer at all.
+can), writes only them. A prompt whose uncached part is short, one a producer would
+mostly recompute (its blocks were computed here: local turns, generated answers), or one
+no producer can take now, is prefilled by the consumer itself: no transfer at all.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class Admission:
 
 def admit_to_consumer(consumer: LLMEngine, prompt: list[int], sampling: SamplingParams, request_id: str, *,
                       counts: ReuseCounts, consumer_id: str = "") -> Admission:
-    """Admit ``prompt`` on ``consumer``: locally (``prefills_locally``), or parked for a
-    producer's KV into the blocks after its cached prefix (``router.prefix_reuse``) or
-    into all of them."""
+    """Admit ``prompt`` on ``consumer``: locally (its uncached part is below
+    ``router.local_prefill_tokens``, or a producer would compute ``local_prefill_factor``
+    times as much: ``_producer_misses``), or parked for a producer's KV into the blocks
+    after its cached prefix (``router.prefix_reuse``) or into all of them."""
     router = consumer.spec.router
     here, there = _uncached(consumer, prompt)
     if here < router.local_prefill_tokens or _producer_misses(router, here, there):
