@@ -96,18 +96,18 @@ def test_allocation_fails_without_side_effects_when_short():
     assert bm.allocate(s, 8) and bm.usage == 1.0
 
 
-def test_peek_prefix_counts_what_match_prefix_would_take_and_takes_nothing():
+def test_peek_prefix_sources_counts_what_match_prefix_would_take_and_takes_nothing():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     a = computed(bm, seq(list(range(10)), "a"))
     bm.free(a)
     prompt = list(range(8)) + [50, 51, 52]
     before = (bm.num_free_blocks, bm.hit_tokens, [b.ref_count for b in bm.blocks])
-    assert bm.peek_prefix(prompt) == 8
+    assert bm.peek_prefix_sources(prompt) == (8, 0)
     assert (bm.num_free_blocks, bm.hit_tokens, [b.ref_count for b in bm.blocks]) == before
     assert bm.match_prefix(seq(prompt, "b")) == 8
-    assert bm.peek_prefix(list(range(8))) == 4  # the last token is never served from cache
+    assert bm.peek_prefix_sources(list(range(8)))[0] == 4  # the last token is never served from cache
     off = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
-    assert off.peek_prefix(prompt) == 0
+    assert off.peek_prefix_sources(prompt) == (0, 0)
 
 
 def test_producer_held_blocks_are_a_leading_run_and_forgotten_on_eviction():

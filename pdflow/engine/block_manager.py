@@ -80,15 +80,11 @@ class BlockManager:
         self.hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
-    def peek_prefix(self, token_ids: list[int]) -> int:
-        """Tokens ``match_prefix`` would serve from cache for this prompt, taking nothing
-        (P/D: whether a prompt's uncached part is short enough to prefill locally)."""
-        return len(self._cached_run(token_ids)) * self.block_size
-
     def peek_prefix_sources(self, token_ids: list[int]) -> tuple[int, int]:
-        """(``peek_prefix``, the tokens of that cached run a producer also computed: its
-        leading producer-held blocks). P/D: what a remote prefill would have the producer
-        recompute, a guess (the producer's own cache may have evicted them since)."""
+        """Taking nothing: the tokens ``match_prefix`` would serve from cache for this
+        prompt, and those of them a producer also computed (the run's leading
+        producer-held blocks). P/D: whether to prefill locally; the second is a guess at
+        what a remote prefill would not recompute (the producer may have evicted them)."""
         run = self._cached_run(token_ids)
         held = next((i for i, (block_id, _) in enumerate(run) if not self.blocks[block_id].producer_held), len(run))
         return len(run) * self.block_size, held * self.block_size
