@@ -125,24 +125,31 @@ def test_latency_metrics_and_draft_metrics_only_when_reported():
     assert d["draft_acceptance_rate"] == 0.5 and d["tokens_per_forward"] == (6 + 3) / 3
 
 
-def paced_server(delay: float) -> FastAPI:
-    """Streams three one-word chunks ``delay`` apart, and records how many requests were
-    in flight at once."""
+def paced_server(delay: float, words: tuple[str, ...] = ("a", "b", "c")) -> FastAPI:
+    """Streams one chunk per word ``delay`` apart, and records how many requests were in
+    flight at once and each prompt in arrival order. Asked for token ids, it answers ids
+    read off the prompt (its length, then its last token), so a follow-up shows which
+    answer it was built from."""
     app = FastAPI()
     app.state.live = app.state.peak = 0
+    app.state.prompts = []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
+        prompt = body["prompt"]
+        app.state.prompts.append(prompt)
         app.state.live += 1
         app.state.peak = max(app.state.peak, app.state.live)
+        ids = [len(prompt) % 100] + [prompt[-1]] * (len(words) - 1) if body.get("return_token_ids") else []
 
         async def chunks():
             try:
-                for word in ("a", "b", "c"):
+                for i, word in enumerate(words):
                     await asyncio.sleep(delay)
-                    yield f"data: {json.dumps({'choices': [{'text': word, 'finish_reason': None}]})}\n\n"
-                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 3}
+                    choice = {"text": word, "finish_reason": None} | ({"token_ids": ids[i:i + 1]} if ids else {})
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(words)}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
             finally:
                 app.state.live -= 1
@@ -265,46 +272,13 @@ def test_multiturn_folds_each_answer_into_the_next_turn():
         w.follow_up(c2, ok(completion_tokens=4))
 
 
-def answering_server(delay: float) -> FastAPI:
-    """Streams two chunks ``delay`` apart whose token ids are read off the prompt (its
-    length, its last token), so a follow-up shows which answer it was built from; records
-    the peak in flight and each prompt in arrival order."""
-    app = FastAPI()
-    app.state.live = app.state.peak = 0
-    app.state.prompts = []
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        prompt = body["prompt"]
-        app.state.prompts.append(prompt)
-        app.state.live += 1
-        app.state.peak = max(app.state.peak, app.state.live)
-        ids = [len(prompt) % 100, prompt[-1]] if body.get("return_token_ids") else []
-
-        async def chunks():
-            try:
-                for i in range(2):
-                    await asyncio.sleep(delay)
-                    choice = {"text": "x", "finish_reason": None} | ({"token_ids": ids[i:i + 1]} if ids else {})
-                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": 2}
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
-            finally:
-                app.state.live -= 1
-
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    return app
-
-
 def test_runner_drives_multiturn_closed_loop_with_each_answer_in_the_next_prompt():
     """Every turn is sent, each only after the answer it extends came back, at most
     ``concurrency`` in flight; a follow-up's prompt holds its answer's ids (the server's
     own), and the rows are the requests as sent."""
     s = spec(kind="multiturn", num_requests=9, conversations=4, prompt_tokens=20, prefix_reuse=0.5,
              max_tokens=2, concurrency=2, progress=False)
-    app = answering_server(0.01)
+    app = paced_server(0.01, words=("x", "y"))
     with ServerThread(app) as server:
         result = asyncio.run(run_workloads(Target(url=server.url, model="m"), prepare(build_workloads(s, vocab=128)),
                                            s))
