@@ -75,7 +75,8 @@ class WorkloadSpec:
     at each of ``depths`` of a ``context_len`` haystack), ``accuracy`` (both), ``prefill``
     (random ``prompt_tokens``-token prompts, one output token), ``serve`` (mixed lengths
     from ``input_len``/``output_len``), ``replay`` (the JSONL ``trace``), ``multiturn``
-    (conversations whose later turns repeat ``prefix_reuse`` of their prompt), ``none``."""
+    (conversations whose later turns repeat ``prefix_reuse`` of their prompt, answers
+    included unless ``fold_answers`` is off), ``none``."""
 
     kind: str = "none"
     # arith: problems; needle: samples per depth; prefill/serve: requests; replay: cap (0 = all).
