@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +76,7 @@ class Workload(Protocol):
         """Task metrics and breakdowns; latency metrics are added by the runner."""
 
 
+@runtime_checkable
 class TurnTaking(Protocol):
     """A closed-loop workload: ``requests()`` are the first turns, and each answer may
     make the next request (a chat client's conversation). The runner drives such a

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pdflow.bench.workloads.base import RequestResult, WorkloadFailed, WorkloadResult, WorkRequest
+from pdflow.bench.workloads.base import RequestResult, TurnTaking, WorkloadFailed, WorkloadResult, WorkRequest
 from pdflow.bench.workloads.client import Target, drive, drive_turns
 from pdflow.bench.workloads.goodput import GoodputResult, attainment, make_probe, search
 from pdflow.bench.workloads.load import PrefillWorkload, ReplayWorkload, ServeWorkload
@@ -78,7 +78,7 @@ async def run_workloads(target: Target, prepared: list[tuple], spec: WorkloadSpe
     breakdowns: dict[str, dict[str, float]] = {}
     per_workload: dict[str, dict[str, float]] = {}
     for workload, requests in prepared:
-        if getattr(workload, "closed_loop", False):  # a TurnTaking workload: the answers make the rest
+        if isinstance(workload, TurnTaking) and workload.closed_loop:  # the answers make the rest
             requests, results, wall = await drive_turns(
                 target, requests, workload.follow_up, concurrency=spec.concurrency,
                 timeout_s=spec.request_timeout_s, progress=spec.progress, label=workload.name,
