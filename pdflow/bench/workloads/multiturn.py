@@ -35,7 +35,10 @@ class MultiTurnWorkload:
     def __init__(self, spec: WorkloadSpec, *, vocab: int, block_tokens: int = 16, kv_bytes_per_block: int = 0):
         self.spec, self.vocab = spec, vocab
         self.block_tokens, self.kv_bytes_per_block = block_tokens, kv_bytes_per_block
-        self.closed_loop = spec.fold_answers
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.spec.fold_answers
 
     def requests(self) -> list[WorkRequest]:
         """Every turn (open loop), or each conversation's first turn (``fold_answers``;
@@ -64,15 +67,22 @@ class MultiTurnWorkload:
         return self._turn(c, turn, request.prompt + result.token_ids)
 
     def _turn(self, c: int, turn: int, history: list[int]) -> WorkRequest:
+        rng = random.Random(f"multiturn:{self.spec.seed}:{c}:{turn}")  # the same prompts whatever the answer order
+        return self._request(self._prompt(rng, history), c, turn)
+
+    def _prompt(self, rng: random.Random, history: list[int]) -> list[int]:
+        """A first turn (no history), or ``history`` and as many new tokens as make it
+        ``prefix_reuse`` of the prompt."""
         s = self.spec
-        rng = random.Random(f"multiturn:{s.seed}:{c}:{turn}")  # the same prompts whatever the answer order
         if not history or s.prefix_reuse == 0:
-            prompt = random_token_ids(rng, s.prompt_tokens, self.vocab)
-        else:
-            new = max(1, math.ceil(len(history) * (1 - s.prefix_reuse) / s.prefix_reuse))
-            prompt = history + random_token_ids(rng, new, self.vocab)
+            return random_token_ids(rng, s.prompt_tokens, self.vocab)
+        new = max(1, math.ceil(len(history) * (1 - s.prefix_reuse) / s.prefix_reuse))
+        return history + random_token_ids(rng, new, self.vocab)
+
+    def _request(self, prompt: list[int], c: int, turn: int) -> WorkRequest:
+        s = self.spec
         return WorkRequest(prompt=prompt, max_tokens=s.max_tokens, temperature=s.temperature, ignore_eos=True,
-                           meta={"conversation": c, "turn": turn}, return_token_ids=True)
+                           meta={"conversation": c, "turn": turn}, return_token_ids=self.closed_loop)
 
     def _all_turns(self) -> list[WorkRequest]:
         s = self.spec
@@ -85,15 +95,8 @@ class MultiTurnWorkload:
             for c in order:
                 if len(out) == s.num_requests:
                     break
-                prev = history[c]
-                if not prev or s.prefix_reuse == 0:
-                    prompt = random_token_ids(rng, s.prompt_tokens, self.vocab)
-                else:
-                    new = max(1, math.ceil(len(prev) * (1 - s.prefix_reuse) / s.prefix_reuse))
-                    prompt = prev + random_token_ids(rng, new, self.vocab)
-                history[c] = prompt
-                out.append(WorkRequest(prompt=prompt, max_tokens=s.max_tokens, temperature=s.temperature,
-                                       ignore_eos=True, meta={"conversation": c, "turn": turn}))
+                history[c] = self._prompt(rng, history[c])
+                out.append(self._request(history[c], c, turn))
         return out
 
     def score(self, requests: list[WorkRequest], results: list[RequestResult]):
