@@ -140,7 +140,8 @@ def workload_bounds(args, turns: dict) -> tuple[float, float]:
     return hit_rate_bounds(turns, args.decodes, 16)
 
 
-def drive_phase(args, router: str, prefill: str, seed: int, label: str) -> dict:
+def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
+    """One phase's workload; ``name``: its rows' file under ``--dump`` (phase and repeat)."""
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
     from pdflow.bench.workloads.multiturn import turn_lengths
 
@@ -153,15 +154,14 @@ def drive_phase(args, router: str, prefill: str, seed: int, label: str) -> dict:
     ttfts = [r["ttft_s"] for r in rows]
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-        n = sum(1 for f in os.listdir(args.dump) if f.startswith(f"{label}_"))
-        with open(os.path.join(args.dump, f"{label}_{n + 1}.json"), "w") as f:
+        with open(os.path.join(args.dump, f"{name}.json"), "w") as f:
             json.dump(rows, f)
     return {"bytes": counter(prefill, "pdflow_kv_sent_bytes_total") - sent, "ttft_p50": statistics.median(ttfts),
             "hit_rate": result.metrics["multiturn_cache_hit_rate"], "ttfts": ttfts,
             "turns": turn_lengths(rows, answers_folded=spec.fold_answers)}
 
 
-def separate(args) -> dict[str, dict]:
+def separate(args, repeat: int = 1) -> dict[str, dict]:
     procs = []
     try:
         procs.append(start("prefill", *args.set))
@@ -186,7 +186,8 @@ def separate(args) -> dict[str, dict]:
                 router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
                                f"router.policy={policy}", *args.set)
                 try:
-                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i, label=label)
+                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i,
+                                             name=f"{label}_{repeat}")
                 finally:
                     stop([router])
                 print(f"{label:9s} { {k: v for k, v in out[label].items() if k not in ('ttfts', 'turns')} }",
@@ -252,7 +253,7 @@ def pooled(runs: list[dict[str, dict]]) -> dict[str, dict]:
 def main() -> None:
     args = parse_args()
     if args.mode == "separate":
-        out = pooled([separate(args) for _ in range(max(1, args.repeat))])
+        out = pooled([separate(args, r) for r in range(1, max(1, args.repeat) + 1)])
     else:
         out = deployment(args)
     on, off = out.get("on"), out.get("off")
