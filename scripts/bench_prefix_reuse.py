@@ -70,6 +70,11 @@ def parse_args() -> argparse.Namespace:
                    help="separate mode: run the phases this many times (fresh instances each time, the same "
                         "prompts), print each repeat's ratios, then the ratios of the p50s over every repeat's "
                         "requests pooled (a 30-request p50 on a busy 2-core machine swings by +-8%%)")
+    p.add_argument("--think", type=float, default=0.0,
+                   help="the workload's think_time_s: a user's mean seconds between an answer and the next turn "
+                        "(exponential). 0: every conversation in lockstep, each round in the order the last one "
+                        "ended, so round robin's instance for a conversation follows the conversation count's "
+                        "parity (even: always the same; odd: alternating) rather than chance")
     p.add_argument("--open-loop", action="store_true",
                    help="the workload's fold_answers=false: every turn built ahead, the answers left out of "
                         "the next turn (the shape of this bench's figures before answers were folded in)")
@@ -130,7 +135,8 @@ def workload_spec(args, seed: int):
     return WorkloadSpec(kind="multiturn", num_requests=args.conversations * args.turns,
                         conversations=args.conversations, concurrency=args.concurrency,
                         prompt_tokens=args.prompt_tokens, prefix_reuse=args.reuse, max_tokens=args.max_tokens,
-                        seed=seed, progress=False, fold_answers=not args.open_loop)
+                        seed=seed, progress=False, fold_answers=not args.open_loop,
+                        think_time_s=args.think)
 
 
 def workload_bounds(args, turns: dict) -> tuple[float, float]:
@@ -260,7 +266,8 @@ def main() -> None:
     print(f"\nprefix reuse at {args.reuse:.0%}, {args.conversations} conversations x {args.turns} turns, "
           f"first prompt {args.prompt_tokens} tokens, {args.max_tokens}-token answers "
           f"{'left out (open loop)' if args.open_loop else 'folded into the next turn (closed loop)'}, "
-          f"mode={args.mode}, set={args.set}"
+          + (f"think time {args.think:g} s, " if args.think else "")
+          + f"mode={args.mode}, set={args.set}"
           + (f", p50s over {args.repeat} repeats' requests pooled" if args.mode == "separate" and args.repeat > 1 else ""))
     if on and off:
         print(f"KV bytes sent     on/off: {on['bytes'] / off['bytes']:.3f}x (goal <= 0.3x)")

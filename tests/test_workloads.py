@@ -15,6 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from pdflow.bench.tasks import arith_eval_set
 from pdflow.bench.workloads import RequestResult, Target, WorkloadFailed, build_workloads, drive, prepare
+from pdflow.bench.workloads.base import WorkRequest
+from pdflow.bench.workloads.client import drive_turns
 from pdflow.bench.workloads.load import TraceError
 from pdflow.bench.workloads.multiturn import hit_rate_bounds, turn_lengths
 from pdflow.bench.workloads.runner import run_workloads
@@ -297,3 +299,56 @@ def test_runner_drives_multiturn_closed_loop_with_each_answer_in_the_next_prompt
             n = len(prompt) // 2
             history = prompt[:n]
             assert history[-2:] == [(n - 2) % 100, history[-3]]
+
+
+
+def test_think_time_holds_each_follow_up_back_by_a_seeded_time():
+    """With ``think_time_s`` a follow-up is due a seeded, positive think time after its
+    answer (the same whatever the timing) and is not sent before; without it, at once."""
+    s = spec(kind="multiturn", num_requests=6, conversations=2, prompt_tokens=20, prefix_reuse=0.5, max_tokens=2,
+             concurrency=1, progress=False, think_time_s=0.05)
+    with ServerThread(paced_server(0.005, words=("x", "y"))) as server:
+        (w,) = build_workloads(s, vocab=128)
+        sent, results, _ = asyncio.run(drive_turns(Target(url=server.url, model="m"), w.requests(), w.follow_up,
+                                                   concurrency=1, timeout_s=30, progress=False))
+    assert len(sent) == 6 and all(r.ok for r in results)
+    pairs = list(zip(sent, results, strict=True))
+    answered = {(q.meta["conversation"], q.meta["turn"]): r.sent_at_s + r.latency_s for q, r in pairs}
+    thinks = {}
+    for q, r in pairs:
+        c, t = q.meta["conversation"], q.meta["turn"]
+        if t:
+            thinks[(c, t)] = q.arrival_s - answered[(c, t - 1)]
+            assert thinks[(c, t)] > 0 and r.sent_at_s >= q.arrival_s
+        else:
+            assert q.arrival_s is None
+    assert len(set(thinks.values())) == 4
+    (again,) = build_workloads(s, vocab=128)
+    first = again.requests()[0]
+    late = RequestResult(ok=True, completion_tokens=2, token_ids=[1, 2], sent_at_s=10.0, latency_s=1.0)
+    assert again.follow_up(first, late).arrival_s - 11.0 == pytest.approx(thinks[(first.meta["conversation"], 1)])
+    (at_once,) = build_workloads(WorkloadSpec(**{f: getattr(s, f) for f in s.__dataclass_fields__} |
+                                              {"think_time_s": 0.0}), vocab=128)
+    assert at_once.follow_up(at_once.requests()[0], late).arrival_s is None
+    with pytest.raises(ValueError, match="think_time_s must be >= 0"):
+        spec(kind="multiturn", think_time_s=-1.0)
+
+
+def test_closed_loop_sends_a_ready_turn_before_one_whose_user_still_thinks():
+    """One slot, two conversations: a's follow-up came first but is due 0.3 s after its
+    answer; b's, ready at once, goes before it (the ready queue is ordered by when a turn
+    is due, not by when it was made), and a's waits until it is due."""
+    a0, b0 = (WorkRequest(prompt=[1, 2, 3], max_tokens=2, meta={"name": n}) for n in ("a0", "b0"))
+
+    def follow_up(req, result):
+        name = req.meta["name"]
+        if name == "a0":
+            return WorkRequest(prompt=[1], max_tokens=2, meta={"name": "a1"},
+                               arrival_s=result.sent_at_s + result.latency_s + 0.3)
+        return WorkRequest(prompt=[2], max_tokens=2, meta={"name": "b1"}) if name == "b0" else None
+
+    with ServerThread(paced_server(0.005, words=("x",))) as server:
+        sent, results, _ = asyncio.run(drive_turns(Target(url=server.url, model="m"), [a0, b0], follow_up,
+                                                   concurrency=1, timeout_s=30, progress=False))
+    assert [q.meta["name"] for q in sent] == ["a0", "b0", "b1", "a1"]
+    assert results[3].sent_at_s >= sent[3].arrival_s

@@ -110,6 +110,11 @@ class WorkloadSpec:
     # tokens, as a chat client sends them), so a conversation's next turn goes out once
     # its answer is back (closed loop); false: every turn built ahead, answers left out.
     fold_answers: bool = True
+    # multiturn, closed loop: a user's mean think time in seconds between an answer and the
+    # next turn (exponential, seeded per turn); 0: at once. Without it every conversation
+    # moves in lockstep, and a round-robin router sends each conversation's turns to the
+    # same or to alternating instances by the parity of the conversation count.
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -125,6 +130,8 @@ class WorkloadSpec:
         if self.conversations < 1 or not 0.0 <= self.prefix_reuse < 1.0:
             raise ValueError("workload.multiturn needs conversations >= 1 and 0 <= prefix_reuse < 1, got "
                              f"{self.conversations} and {self.prefix_reuse}")
+        if self.think_time_s < 0:
+            raise ValueError(f"workload.think_time_s must be >= 0 seconds, got {self.think_time_s}")
         _check_range("input_len", self.input_len)
         _check_range("output_len", self.output_len)
         if self.request_rate < 0 or self.time_scale <= 0 or self.request_timeout_s <= 0:

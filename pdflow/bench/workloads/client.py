@@ -5,9 +5,11 @@ client's own measurements."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import json
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,11 +143,17 @@ async def drive_turns(
     *, concurrency: int, timeout_s: float, progress: bool = True, label: str = "requests", total: int = 0,
 ) -> tuple[list[WorkRequest], list[RequestResult], float]:
     """Closed loop: ``first`` are ready at the start; each answer may make a next request
-    (``follow_up``), ready once that answer is back. At most ``concurrency`` in flight,
-    ready requests sent in the order they became ready. Returns the requests in the order
-    they were sent, their results, and the wall time. ``total``: the expected count, for
-    the progress bar only."""
-    ready, sent, results = deque(first), [], []
+    (``follow_up``), ready once that answer is back, or from its ``arrival_s`` (seconds
+    after the start) when it has one: a user's think time. At most ``concurrency`` in
+    flight, ready requests sent in the order they became ready. Returns the requests in
+    the order they were sent, their results, and the wall time. ``total``: the expected
+    count, for the progress bar only."""
+    # (ready at, the order they came in, request); no arrival_s: ready when it came.
+    ready: list[tuple[float, int, WorkRequest]] = []
+    came = itertools.count()
+    for req in first:
+        heapq.heappush(ready, _ready_entry(req, next(came), 0.0))
+    sent, results = [], []
     in_flight = 0
     changed = asyncio.Condition()
     bar = _bar(progress, total or len(first), label)
@@ -164,7 +172,11 @@ async def drive_turns(
                         await changed.wait_for(can_go)
                         if not ready:  # nothing ready and nothing in flight: every conversation ended
                             return
-                        req, slot = ready.popleft(), len(sent)
+                        if (due := ready[0][0] - (time.perf_counter() - t0)) > 0:  # the user still thinks
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                await asyncio.wait_for(changed.wait(), due)
+                            continue
+                        req, slot = heapq.heappop(ready)[2], len(sent)
                         sent.append(req)
                         results.append(None)
                         in_flight += 1
@@ -177,9 +189,13 @@ async def drive_turns(
                         async with changed:
                             in_flight -= 1
                             if after is not None:
-                                ready.append(after)
+                                heapq.heappush(ready, _ready_entry(after, next(came), time.perf_counter() - t0))
                             changed.notify_all()
 
             await asyncio.gather(*(sender() for _ in range(concurrency)))
             wall = time.perf_counter() - t0
     return sent, results, wall
+
+
+def _ready_entry(req: WorkRequest, order: int, now_s: float) -> tuple[float, int, WorkRequest]:
+    return (now_s if req.arrival_s is None else req.arrival_s, order, req)

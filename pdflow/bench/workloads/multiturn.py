@@ -10,7 +10,8 @@ first turn is a random ``prompt_tokens``-token prompt.
 answer's token ids (the API's ``return_token_ids``) and new tokens, as many as make the
 repeated part ``prefix_reuse`` of it, sent once the answer is back (closed loop: the
 runner's ``drive_turns``, at most ``concurrency`` in flight, ready turns in the order
-they became ready). The answer is the part a decode instance holds and a prefill
+they became ready; after a seeded, exponential ``think_time_s`` when that is set). The
+answer is the part a decode instance holds and a prefill
 instance never computed. Off: every turn built ahead (open loop), turn t+1 is turn t
 plus new tokens, round by round (every conversation's turn t before any turn t+1), the
 conversations in a seeded shuffle each round, so a round-robin router does not keep a
@@ -64,7 +65,11 @@ class MultiTurnWorkload:
         if len(result.token_ids) != result.completion_tokens:
             raise WorkloadFailed(f"multiturn needs the answers' token ids (return_token_ids): got "
                                  f"{len(result.token_ids)} for {result.completion_tokens} tokens")
-        return self._turn(c, turn, request.prompt + result.token_ids)
+        nxt = self._turn(c, turn, request.prompt + result.token_ids)
+        if self.spec.think_time_s:  # the user reads the answer, then types
+            think = random.Random(f"multiturn:{self.spec.seed}:{c}:{turn}:think").expovariate(1 / self.spec.think_time_s)
+            nxt.arrival_s = result.sent_at_s + result.latency_s + think
+        return nxt
 
     def _turn(self, c: int, turn: int, history: list[int]) -> WorkRequest:
         rng = random.Random(f"multiturn:{self.spec.seed}:{c}:{turn}")  # the same prompts whatever the answer order
