@@ -72,9 +72,9 @@ def parse_args() -> argparse.Namespace:
                         "requests pooled (a 30-request p50 on a busy 2-core machine swings by +-8%%)")
     p.add_argument("--think", type=float, default=0.0,
                    help="the workload's think_time_s: a user's mean seconds between an answer and the next turn "
-                        "(exponential). 0: every conversation in lockstep, each round in the order the last one "
-                        "ended, so round robin's instance for a conversation follows the conversation count's "
-                        "parity (even: always the same; odd: alternating) rather than chance")
+                        "(exponential). 0: the conversations in lockstep, each round in the order the last one "
+                        "ended, which is the order an LRU pool evicts in (under pool pressure each prefix goes "
+                        "just before its next turn), and round robin's placement follows that order")
     p.add_argument("--open-loop", action="store_true",
                    help="the workload's fold_answers=false: every turn built ahead, the answers left out of "
                         "the next turn (the shape of this bench's figures before answers were folded in)")

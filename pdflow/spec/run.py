@@ -111,9 +111,9 @@ class WorkloadSpec:
     # its answer is back (closed loop); false: every turn built ahead, answers left out.
     fold_answers: bool = True
     # multiturn, closed loop: a user's mean think time in seconds between an answer and the
-    # next turn (exponential, seeded per turn); 0: at once. Without it every conversation
-    # moves in lockstep, and a round-robin router sends each conversation's turns to the
-    # same or to alternating instances by the parity of the conversation count.
+    # next turn (exponential, seeded per turn); 0: at once. Without it the conversations
+    # move in lockstep, each round in the order the last one ended: the order an LRU pool
+    # evicts in, so under pool pressure each prefix goes just before its next turn.
     think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
