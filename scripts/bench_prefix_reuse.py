@@ -18,7 +18,8 @@ holds a phase's prompts ahead of it):
             its own cached prefix for the compute
 
 Prints prompt KV bytes sent (the prefill instance's ``pdflow_kv_sent_bytes_total``), TTFT
-p50, and the decode instances' cache hit rate (usage cached_tokens / prompt tokens), and
+p50, the decode instances' cache hit rate (usage cached_tokens / prompt tokens), the prefill
+instance's (its ``pdflow_prefix_cache_hit_tokens_total`` / prompt tokens), and
 the ratios: bytes on/off (goal <= 0.3x), TTFT p50 on/off (goal <= 0.5x), hit rate
 prefix/rr (goal >= 1.5x).
 
@@ -49,6 +50,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 BASE = ["drafter=none", "tracking=off", "prefill=tp1", "decode=tp1", "prefill.block_size=16",
         "decode.block_size=16", "prefill.kv_page_tokens=16", "decode.kv_page_tokens=16"]
+# The prefill instance's prefix-cache hits: over a phase's prompt tokens, how much of them it
+# did not compute (a remote prefill computes from its own cached prefix, reuse on or off).
+PRODUCER_HITS = "pdflow_prefix_cache_hit_tokens_total"
 URL = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
 
 
@@ -78,6 +82,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--open-loop", action="store_true",
                    help="the workload's fold_answers=false: every turn built ahead, the answers left out of "
                         "the next turn (the shape of this bench's figures before answers were folded in)")
+    p.add_argument("--check", action="store_true",
+                   help="separate mode, closed loop: after each phase, generate every prompt it sent with the "
+                        "decode side in this process (the same spec, greedy) and count the answers that differ "
+                        "from what the instances served: the one-process oracle at this scale, with eviction, "
+                        "reuse, local and remote prefill all under way")
     p.add_argument("--dump", default=None, help="separate mode: write each phase's request rows (turn, TTFT, "
                    "cached tokens, ...) to DIR/<phase>_<repeat>.json")
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
@@ -152,8 +161,15 @@ def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
     from pdflow.bench.workloads.multiturn import turn_lengths
 
     spec = workload_spec(args, seed)
+    (workload,) = build_workloads(spec, vocab=128)
+    answered: list[tuple[list[int], list[int]]] = []
+    if args.check:
+        if not workload.closed_loop:
+            raise SystemExit("--check needs the closed loop (the answers' token ids); drop --open-loop")
+        workload.follow_up = keeping(workload.follow_up, answered)
     sent = counter(prefill, "pdflow_kv_sent_bytes_total")
-    result = run_workloads_sync(Target(url=router, model="tiny"), prepare(build_workloads(spec, vocab=128)), spec)
+    producer_hits = counter(prefill, PRODUCER_HITS)
+    result = run_workloads_sync(Target(url=router, model="tiny"), prepare([workload]), spec)
     rows = [r for r in result.rows if r["ok"]]
     if len(rows) != spec.num_requests:
         raise RuntimeError(f"{spec.num_requests - len(rows)} requests failed: {result.rows[0]}")
@@ -162,9 +178,39 @@ def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
         os.makedirs(args.dump, exist_ok=True)
         with open(os.path.join(args.dump, f"{name}.json"), "w") as f:
             json.dump(rows, f)
+    hits = counter(prefill, PRODUCER_HITS) - producer_hits
     return {"bytes": counter(prefill, "pdflow_kv_sent_bytes_total") - sent, "ttft_p50": statistics.median(ttfts),
-            "hit_rate": result.metrics["multiturn_cache_hit_rate"], "ttfts": ttfts,
-            "turns": turn_lengths(rows, answers_folded=spec.fold_answers)}
+            "hit_rate": result.metrics["multiturn_cache_hit_rate"],
+            "producer_hit_rate": hits / sum(r["prompt_tokens"] for r in rows),
+            **({"differ_from_oracle": differing(args, answered)} if args.check else {}),
+            "ttfts": ttfts, "turns": turn_lengths(rows, answers_folded=spec.fold_answers)}
+
+
+def keeping(follow_up, answered: list):
+    """``follow_up``, keeping each answered turn's (prompt, answer token ids) in ``answered``."""
+    def keep(request, result):
+        if result.ok:
+            answered.append((list(request.prompt), list(result.token_ids)))
+        return follow_up(request, result)
+    return keep
+
+
+_ORACLE = []
+
+
+def differing(args, answered: list[tuple[list[int], list[int]]]) -> int:
+    """How many served answers differ from the decode side's own greedy answers in this
+    process (printed: the first few)."""
+    from pdflow import LLM, SamplingParams, compose
+
+    if not _ORACLE:
+        _ORACLE.append(LLM.from_run_spec(compose([*base(args.set), *args.set])))
+    sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = _ORACLE[0].generate([prompt for prompt, _ in answered], sampling)
+    bad = [(len(p), ids, o.token_ids) for (p, ids), o in zip(answered, outs, strict=True) if list(o.token_ids) != ids]
+    for n, served, oracle in bad[:3]:
+        print(f"  differs: a {n}-token prompt served {served}, one process {oracle}", flush=True)
+    return len(bad)
 
 
 def separate(args, repeat: int = 1) -> dict[str, dict]:
