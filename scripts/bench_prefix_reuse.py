@@ -23,6 +23,13 @@ instance's (its ``pdflow_prefix_cache_hit_tokens_total`` / prompt tokens), and
 the ratios: bytes on/off (goal <= 0.3x), TTFT p50 on/off (goal <= 0.5x), hit rate
 prefix/rr (goal >= 1.5x).
 
+Many users (the acceptance's run: the decode pools hold the conversations, the prefill
+instance's does not; users think between turns, so rounds do not cycle in LRU's eviction
+order), about 6 minutes:
+
+    python scripts/bench_prefix_reuse.py --phases off,on,on+local,rr --local 100 \
+        --conversations 90 --think 2 --check
+
 ``--mode deployment``: P/D in one process (``pdflow.Deployment``), the conversations one
 request at a time, TTFT from ``Deployment.stream``; reuse on vs off at --reuse, and a
 workload with no reuse. The GPU figure:
