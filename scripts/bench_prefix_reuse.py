@@ -194,7 +194,8 @@ def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
 
 
 def keeping(follow_up, answered: list):
-    """``follow_up``, keeping each answered turn's (prompt, answer token ids) in ``answered``."""
+    """``follow_up``, keeping each answered turn's (prompt, answer token ids) in ``answered``
+    (the runner's rows carry neither; the workload's own ``follow_up`` sees both)."""
     def keep(request, result):
         if result.ok:
             answered.append((list(request.prompt), list(result.token_ids)))

@@ -10,13 +10,13 @@ first turn is a random ``prompt_tokens``-token prompt.
 answer's token ids (the API's ``return_token_ids``) and new tokens, as many as make the
 repeated part ``prefix_reuse`` of it, sent once the answer is back (closed loop: the
 runner's ``drive_turns``, at most ``concurrency`` in flight, ready turns in the order
-they became ready; after a seeded, exponential ``think_time_s`` when that is set). The
-answer is the part a decode instance holds and a prefill
-instance never computed. Off: every turn built ahead (open loop), turn t+1 is turn t
-plus new tokens, round by round (every conversation's turn t before any turn t+1), the
-conversations in a seeded shuffle each round, so a round-robin router does not keep a
-conversation on one instance by accident; send them with concurrency below
-``conversations`` so a turn usually finishes before its follow-up starts.
+they became ready), or a seeded, exponential ``think_time_s`` after it. The answer is
+the part a decode instance holds and a prefill instance never computed. Off: every turn
+built ahead (open loop), turn t+1 is turn t plus new tokens, round by round (every
+conversation's turn t before any turn t+1), the conversations in a seeded shuffle each
+round, so a round-robin router does not keep a conversation on one instance by accident;
+send them with concurrency below ``conversations`` so a turn usually finishes before its
+follow-up starts.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class MultiTurnWorkload:
             raise WorkloadFailed(f"multiturn needs the answers' token ids (return_token_ids): got "
                                  f"{len(result.token_ids)} for {result.completion_tokens} tokens")
         nxt = self._turn(c, turn, request.prompt + result.token_ids)
-        if self.spec.think_time_s:  # the user reads the answer, then types
-            think = random.Random(f"multiturn:{self.spec.seed}:{c}:{turn}:think").expovariate(1 / self.spec.think_time_s)
+        if mean := self.spec.think_time_s:  # the user reads the answer, then types
+            think = random.Random(f"multiturn:{self.spec.seed}:{c}:{turn}:think").expovariate(1 / mean)
             nxt.arrival_s = result.sent_at_s + result.latency_s + think
         return nxt
 
