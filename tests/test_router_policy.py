@@ -71,6 +71,47 @@ def test_prefix_policy_sends_a_follow_up_where_its_prefix_went():
     assert _follow_up_goes_to_first_instance("round_robin") != [True, True, True]
 
 
+def _homes(chooser: Chooser, prompts: list[list[int]]) -> list[str]:
+    """Each prompt sent in turn (started and answered before the next): where it went."""
+    out = []
+    for ids in prompts:
+        choice = chooser.choose(_body(ids))
+        chooser.started(choice, choice.order[0])
+        chooser.finished(choice, choice.order[0])
+        out.append(choice.order[0])
+    return out
+
+
+def test_prefix_policy_spreads_conversations_that_share_only_a_system_prompt():
+    """Every first turn starts with the same 2-block system prompt (2 of 10 blocks). With
+    ``prefix_min_gain`` 0.25 that overlap is a tie and load (then round-robin order)
+    spreads the conversations; each one's follow-up (8 of 12 blocks its own) still goes
+    where it went. With 0, every conversation piles onto the instance that saw the system
+    prompt first (what the rule is for)."""
+    system = list(range(5000, 5032))
+    firsts = [system + [c * 1000 + i for i in range(128)] for c in range(6)]
+    follow_ups = [ids + list(range(32)) for ids in firsts]
+    spread = Chooser(D, P, RouterSpec(policy="prefix"), block_tokens=16)
+    homes = _homes(spread, firsts)
+    assert sorted(homes) == sorted(D * 3)
+    assert _homes(spread, follow_ups) == homes
+    piled = Chooser(D, P, RouterSpec(policy="prefix", prefix_min_gain=0.0), block_tokens=16)
+    assert len(set(_homes(piled, firsts))) == 1
+
+
+def test_prefix_policy_passes_over_an_instance_with_too_many_more_in_flight():
+    """A follow-up's prefix is on one instance; with ``prefix_max_skew`` 2 and two more
+    requests in flight there than on the other, it goes to the other; at 3, it stays."""
+    prompt = [7] * 64
+    for skew, stays in ((2, False), (3, True)):
+        chooser = Chooser(D, P, RouterSpec(policy="prefix", prefix_max_skew=skew), block_tokens=16)
+        (home,) = _homes(chooser, [prompt])
+        for i in range(2):  # two others in flight at the conversation's instance
+            other = chooser.choose(_body([100 + i] * 20))
+            chooser.started(other, home)
+        assert (chooser.choose(_body(prompt + [8] * 16)).order[0] == home) is stays
+
+
 def test_load_policy_tries_the_least_loaded_first_and_prefills_locally_when_saturated():
     chooser = Chooser(D, P, RouterSpec(policy="load", max_prefills_in_flight=1), block_tokens=16)
     first = chooser.choose(_body([1] * 20))
@@ -107,6 +148,10 @@ def test_a_bad_router_policy_is_refused_by_name():
         compose(["router.local_prefill_tokens=-1"])
     with pytest.raises(ConfigError, match="local_prefill_factor must be above 1"):
         compose(["router.local_prefill_factor=1.0"])
+    with pytest.raises(ConfigError, match="prefix_min_gain must be in"):
+        compose(["router.prefix_min_gain=1.0"])
+    with pytest.raises(ConfigError, match="prefix_max_skew >= 0"):
+        compose(["router.prefix_max_skew=-1"])
 
 
 def test_load_policy_breaks_an_in_flight_tie_by_free_kv_blocks():

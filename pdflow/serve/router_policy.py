@@ -10,8 +10,12 @@ prompt, which the router does not tokenize, is cut every ``CHARS_PER_TOKEN *
 block_tokens`` characters instead, which still shares its leading blocks with the
 turn before it. Each instance remembers at most ``index_blocks`` hashes (least
 recently used out). The instance with the longest leading run of remembered blocks
-goes first, the less loaded on a tie. Ties and the rest keep round-robin order, so an
-idle router with no history behaves like ``round_robin``.
+goes first, the less loaded on a tie; a run shorter by no more than
+``router.prefix_min_gain`` of the prompt's blocks is a tie (a system prompt every
+conversation shares must not send them all to the instance that saw it first), and the
+pick yields to the least loaded instance once it has ``router.prefix_max_skew`` more
+requests in flight. Ties and the rest keep round-robin order, so an idle router with no
+history behaves like ``round_robin``.
 """
 
 from __future__ import annotations
@@ -183,12 +187,26 @@ class Chooser:
         self.free[backend] = fraction
 
     def _rank(self, order: list[str], hashes: list[bytes]) -> list[str]:
-        """Longest prefix overlap first (prefix policy), then fewest in flight, then the
-        most free KV blocks; stable, so round-robin order breaks the remaining ties."""
+        """Longest prefix overlap first (prefix policy; overlaps within
+        ``router.prefix_min_gain`` of the prompt's blocks of the longest are a tie), then
+        fewest in flight, then the most free KV blocks; stable, so round-robin order breaks
+        the remaining ties. The overlap's pick yields to the least loaded instance when it
+        has ``router.prefix_max_skew`` more requests in flight."""
         with self._lock:
             load = dict(self.in_flight)
-        return sorted(order, key=lambda b: (-self.index.overlap(b, hashes) if hashes else 0, load[b],
-                                            -self.free[b]))
+        overlap = {b: self.index.overlap(b, hashes) if hashes else 0 for b in order}
+        near = max(overlap.values()) - self.router.prefix_min_gain * len(hashes)
+
+        def tier(b: str) -> tuple[int, int]:  # near the longest run: one tier; below it, by run
+            return (0, 0) if overlap[b] >= near else (1, -overlap[b])
+
+        ranked = sorted(order, key=lambda b: (*tier(b), load[b], -self.free[b]))
+        skew = self.router.prefix_max_skew
+        idle = min(ranked, key=lambda b: load[b])  # the first of the least loaded, in ranked order
+        if skew and load[ranked[0]] - load[idle] >= skew:
+            ranked.remove(idle)
+            ranked.insert(0, idle)
+        return ranked
 
     def _producer(self, hashes: list[bytes]) -> str | None:
         if self.prefill is None:

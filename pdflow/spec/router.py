@@ -14,7 +14,7 @@ class RouterSpec:
     # has in flight there (from the send; on a prefill instance, until the decode
     # instance's answer, when its prefill and transfer are over); prefix: the decode
     # instance holding most of the prompt's leading blocks (a router-side index of what it
-    # sent where), ties by load.
+    # sent where; runs within prefix_min_gain of the longest are a tie), ties by load.
     policy: str = "round_robin"
     # Decode side: match each prompt against this instance's prefix cache and have the
     # prefill instance write only the uncached suffix's blocks.
@@ -30,6 +30,15 @@ class RouterSpec:
     local_prefill_factor: float = 2.0
     # Prefix policy: block hashes the router remembers per decode instance (LRU bound).
     index_blocks: int = 65536
+    # Prefix policy: an instance's leading-block overlap must beat another's by at least
+    # this fraction of the prompt's blocks to go before it; closer overlaps are a tie that
+    # load breaks. A prefix every conversation shares (a system prompt) then spreads new
+    # conversations instead of sending them all where it went first. 0: any overlap wins.
+    prefix_min_gain: float = 0.25
+    # Prefix policy: the instance the overlap picks is passed over for the least loaded one
+    # when it has at least this many more requests in flight (a hot conversation or prefix
+    # does not pile onto one instance). 0: never.
+    prefix_max_skew: int = 32
     # Load policy: a prefill instance with this many prefills in flight (sent, their decode
     # instance's answer not yet back) is saturated;
     # when all are, the decode instance prefills locally. 0: no limit.
@@ -44,6 +53,10 @@ class RouterSpec:
         if self.local_prefill_factor != 0 and self.local_prefill_factor <= 1:
             raise ValueError(f"router.local_prefill_factor must be above 1 (a producer computing at least that "
                              f"many times this instance's tokens), or 0 (off); got {self.local_prefill_factor}")
+        if not 0.0 <= self.prefix_min_gain < 1.0 or self.prefix_max_skew < 0:
+            raise ValueError(f"router.prefix_min_gain must be in [0, 1) (a fraction of the prompt's blocks) and "
+                             f"router.prefix_max_skew >= 0 (requests in flight; 0: off), got "
+                             f"{self.prefix_min_gain} and {self.prefix_max_skew}")
         if self.index_blocks < 1:
             raise ValueError(f"router.index_blocks must be >= 1 (block hashes kept per decode instance), "
                              f"got {self.index_blocks}")
