@@ -60,6 +60,7 @@ BASE = ["drafter=none", "tracking=off", "prefill=tp1", "decode=tp1", "prefill.bl
 # The prefill instance's prefix-cache hits: over a phase's prompt tokens, how much of them it
 # did not compute (a remote prefill computes from its own cached prefix, reuse on or off).
 PRODUCER_HITS = "pdflow_prefix_cache_hit_tokens_total"
+PROMPTS = "pdflow_prefills_total"  # a decode instance's prompts, prefilled there or remotely
 URL = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1")
 
 
@@ -86,6 +87,9 @@ def parse_args() -> argparse.Namespace:
                         "(exponential). 0: the conversations in lockstep, each round in the order the last one "
                         "ended, which is the order an LRU pool evicts in (under pool pressure each prefix goes "
                         "just before its next turn), and round robin's placement follows that order")
+    p.add_argument("--system-prompt", type=int, default=0,
+                   help="the workload's system_prompt_tokens: tokens every conversation's first turn starts with "
+                        "(the hit-rate bounds printed leave them out)")
     p.add_argument("--open-loop", action="store_true",
                    help="the workload's fold_answers=false: every turn built ahead, the answers left out of "
                         "the next turn (the shape of this bench's figures before answers were folded in)")
@@ -152,7 +156,7 @@ def workload_spec(args, seed: int):
                         conversations=args.conversations, concurrency=args.concurrency,
                         prompt_tokens=args.prompt_tokens, prefix_reuse=args.reuse, max_tokens=args.max_tokens,
                         seed=seed, progress=False, fold_answers=not args.open_loop,
-                        think_time_s=args.think)
+                        think_time_s=args.think, system_prompt_tokens=args.system_prompt)
 
 
 def workload_bounds(args, turns: dict) -> tuple[float, float]:
@@ -162,8 +166,9 @@ def workload_bounds(args, turns: dict) -> tuple[float, float]:
     return hit_rate_bounds(turns, args.decodes, 16)
 
 
-def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
-    """One phase's workload; ``name``: its rows' file under ``--dump`` (phase and repeat)."""
+def drive_phase(args, router: str, prefill: str, decode: list[str], seed: int, name: str) -> dict:
+    """One phase's workload; ``name``: its rows' file under ``--dump`` (phase and repeat);
+    ``decode``: the decode instances, whose prompts are counted each (the routing's balance)."""
     from pdflow.bench.workloads import Target, build_workloads, prepare, run_workloads_sync
     from pdflow.bench.workloads.multiturn import turn_lengths
 
@@ -176,6 +181,7 @@ def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
         workload.follow_up = keeping(workload.follow_up, answered)
     sent = counter(prefill, "pdflow_kv_sent_bytes_total")
     producer_hits = counter(prefill, PRODUCER_HITS)
+    prompts = [counter(d, PROMPTS) for d in decode]
     result = run_workloads_sync(Target(url=router, model="tiny"), prepare([workload]), spec)
     rows = [r for r in result.rows if r["ok"]]
     if len(rows) != spec.num_requests:
@@ -189,6 +195,7 @@ def drive_phase(args, router: str, prefill: str, seed: int, name: str) -> dict:
     return {"bytes": counter(prefill, "pdflow_kv_sent_bytes_total") - sent, "ttft_p50": statistics.median(ttfts),
             "hit_rate": result.metrics["multiturn_cache_hit_rate"],
             "producer_hit_rate": hits / sum(r["prompt_tokens"] for r in rows),
+            "per_decode_instance": [counter(d, PROMPTS) - n for d, n in zip(decode, prompts, strict=True)],
             **({"differ_from_oracle": differing(args, answered)} if args.check else {}),
             "ttfts": ttfts, "turns": turn_lengths(rows, answers_folded=spec.fold_answers)}
 
@@ -246,7 +253,7 @@ def separate(args, repeat: int = 1) -> dict[str, dict]:
                 router = start("router", f"serve.prefill=[{prefill}]", f"serve.decode=[{','.join(urls)}]",
                                f"router.policy={policy}", *args.set)
                 try:
-                    out[label] = drive_phase(args, url_of(router), prefill, seed=seed * 10 + i,
+                    out[label] = drive_phase(args, url_of(router), prefill, urls, seed=seed * 10 + i,
                                              name=f"{label}_{repeat}")
                 finally:
                     stop([router])
@@ -321,6 +328,7 @@ def main() -> None:
           f"first prompt {args.prompt_tokens} tokens, {args.max_tokens}-token answers "
           f"{'left out (open loop)' if args.open_loop else 'folded into the next turn (closed loop)'}, "
           + (f"think time {args.think:g} s, " if args.think else "")
+          + (f"a {args.system_prompt}-token system prompt, " if args.system_prompt else "")
           + f"mode={args.mode}, set={args.set}"
           + (f", p50s over {args.repeat} repeats' requests pooled" if args.mode == "separate" and args.repeat > 1 else ""))
     if on and off:

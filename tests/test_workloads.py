@@ -352,3 +352,21 @@ def test_closed_loop_sends_a_ready_turn_before_one_whose_user_still_thinks():
                                                    concurrency=1, timeout_s=30, progress=False))
     assert [q.meta["name"] for q in sent] == ["a0", "b0", "b1", "a1"]
     assert results[3].sent_at_s >= sent[3].arrival_s
+
+
+def test_multiturn_first_turns_share_the_system_prompt_and_nothing_after_it():
+    """Every conversation's first turn starts with the same ``system_prompt_tokens`` (its
+    length counted in ``prompt_tokens``), in both loops; without one, as before."""
+    for fold in (True, False):
+        s = spec(kind="multiturn", num_requests=8, conversations=4, prompt_tokens=40, system_prompt_tokens=24,
+                 fold_answers=fold)
+        (w,) = build_workloads(s, vocab=128)
+        firsts = [r.prompt for r in w.requests() if r.meta["turn"] == 0]
+        assert len(firsts) == 4 and all(len(p) == 40 and p[:24] == firsts[0][:24] for p in firsts)
+        assert len({tuple(p[24:26]) for p in firsts}) == 4
+        (plain,) = build_workloads(spec(kind="multiturn", num_requests=8, conversations=4, prompt_tokens=40,
+                                        fold_answers=fold), vocab=128)
+        assert len({tuple(r.prompt[:24]) for r in plain.requests() if r.meta["turn"] == 0}) == 4
+    with pytest.raises(ValueError, match="system_prompt_tokens must be >= 0 and below prompt_tokens"):
+        spec(kind="multiturn", prompt_tokens=40, system_prompt_tokens=40)
+

@@ -115,6 +115,9 @@ class WorkloadSpec:
     # move in lockstep, each round in the order the last one ended: the order an LRU pool
     # evicts in, so under pool pressure each prefix goes just before its next turn.
     think_time_s: float = 0.0
+    # multiturn: a system prompt of this many tokens every conversation's first turn starts
+    # with (its first prompt_tokens include it); 0: none.
+    system_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -132,6 +135,9 @@ class WorkloadSpec:
                              f"{self.conversations} and {self.prefix_reuse}")
         if self.think_time_s < 0:
             raise ValueError(f"workload.think_time_s must be >= 0 seconds, got {self.think_time_s}")
+        if not 0 <= self.system_prompt_tokens < self.prompt_tokens:
+            raise ValueError(f"workload.system_prompt_tokens must be >= 0 and below prompt_tokens (the first turn "
+                             f"holds it), got {self.system_prompt_tokens} for {self.prompt_tokens}")
         _check_range("input_len", self.input_len)
         _check_range("output_len", self.output_len)
         if self.request_rate < 0 or self.time_scale <= 0 or self.request_timeout_s <= 0:

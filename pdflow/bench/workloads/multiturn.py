@@ -4,7 +4,8 @@ so ``prefix_reuse`` of its prompt is a prefix another request already had.
 Why: P/D prefix reuse (the decode instance keeps what it was sent and what it generated;
 only the uncached suffix moves) and prefix-aware routing only show on traffic that
 repeats prefixes. ``conversations`` conversations of ``num_requests`` turns in all; the
-first turn is a random ``prompt_tokens``-token prompt.
+first turn is a random ``prompt_tokens``-token prompt, its first ``system_prompt_tokens``
+the same in every conversation (a system prompt).
 
 ``fold_answers`` (default), as a chat client talks: turn t+1 is turn t's prompt, the
 answer's token ids (the API's ``return_token_ids``) and new tokens, as many as make the
@@ -80,9 +81,14 @@ class MultiTurnWorkload:
         ``prefix_reuse`` of the prompt."""
         s = self.spec
         if not history or s.prefix_reuse == 0:
-            return random_token_ids(rng, s.prompt_tokens, self.vocab)
+            return self._system_prompt() + random_token_ids(rng, s.prompt_tokens - s.system_prompt_tokens, self.vocab)
         new = max(1, math.ceil(len(history) * (1 - s.prefix_reuse) / s.prefix_reuse))
         return history + random_token_ids(rng, new, self.vocab)
+
+    def _system_prompt(self) -> list[int]:
+        """The first ``system_prompt_tokens`` of every first turn (seeded by the workload's seed)."""
+        rng = random.Random(f"multiturn:{self.spec.seed}:system")
+        return random_token_ids(rng, self.spec.system_prompt_tokens, self.vocab)
 
     def _request(self, prompt: list[int], c: int, turn: int) -> WorkRequest:
         s = self.spec
