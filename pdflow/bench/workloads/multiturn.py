@@ -81,7 +81,8 @@ class MultiTurnWorkload:
         ``prefix_reuse`` of the prompt."""
         s = self.spec
         if not history or s.prefix_reuse == 0:
-            return self._system_prompt() + random_token_ids(rng, s.prompt_tokens - s.system_prompt_tokens, self.vocab)
+            own = random_token_ids(rng, s.prompt_tokens - s.system_prompt_tokens, self.vocab)
+            return self._system_prompt() + own
         new = max(1, math.ceil(len(history) * (1 - s.prefix_reuse) / s.prefix_reuse))
         return history + random_token_ids(rng, new, self.vocab)
 
