@@ -4,6 +4,7 @@ driver's timing and concurrency against a real (scripted) streaming server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -301,7 +302,6 @@ def test_runner_drives_multiturn_closed_loop_with_each_answer_in_the_next_prompt
             assert history[-2:] == [(n - 2) % 100, history[-3]]
 
 
-
 def test_think_time_holds_each_follow_up_back_by_a_seeded_time():
     """With ``think_time_s`` a follow-up is due a seeded, positive think time after its
     answer (the same whatever the timing) and is not sent before; without it, at once."""
@@ -327,8 +327,7 @@ def test_think_time_holds_each_follow_up_back_by_a_seeded_time():
     first = again.requests()[0]
     late = RequestResult(ok=True, completion_tokens=2, token_ids=[1, 2], sent_at_s=10.0, latency_s=1.0)
     assert again.follow_up(first, late).arrival_s - 11.0 == pytest.approx(thinks[(first.meta["conversation"], 1)])
-    (at_once,) = build_workloads(WorkloadSpec(**{f: getattr(s, f) for f in s.__dataclass_fields__} |
-                                              {"think_time_s": 0.0}), vocab=128)
+    (at_once,) = build_workloads(dataclasses.replace(s, think_time_s=0.0), vocab=128)
     assert at_once.follow_up(at_once.requests()[0], late).arrival_s is None
     with pytest.raises(ValueError, match="think_time_s must be >= 0"):
         spec(kind="multiturn", think_time_s=-1.0)
