@@ -43,6 +43,7 @@ workload with no reuse. The GPU figure:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -101,7 +102,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dump", default=None, help="separate mode: write each phase's request rows (turn, TTFT, "
                    "cached tokens, ...) to DIR/<phase>_<repeat>.json")
     p.add_argument("--set", nargs="*", default=[], help="more spec overrides (every instance and the router)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.check and (args.open_loop or args.mode != "separate"):
+        p.error("--check needs separate mode and the closed loop (the answers' token ids)")
+    return args
 
 
 # -- separate instances -----------------------------------------------------------------
@@ -176,8 +180,6 @@ def drive_phase(args, router: str, prefill: str, decode: list[str], seed: int, n
     (workload,) = build_workloads(spec, vocab=128)
     answered: list[tuple[list[int], list[int]]] = []
     if args.check:
-        if not workload.closed_loop:
-            raise SystemExit("--check needs the closed loop (the answers' token ids); drop --open-loop")
         workload.follow_up = keeping(workload.follow_up, answered)
     sent = counter(prefill, "pdflow_kv_sent_bytes_total")
     producer_hits = counter(prefill, PRODUCER_HITS)
@@ -210,21 +212,24 @@ def keeping(follow_up, answered: list):
     return keep
 
 
-_ORACLE = []
+@functools.cache
+def oracle(overrides: tuple[str, ...]):
+    """The decode side of the instances' spec, in this process (built once)."""
+    from pdflow import LLM, compose
+
+    return LLM.from_run_spec(compose([*base(list(overrides)), *overrides]))
 
 
 def differing(args, answered: list[tuple[list[int], list[int]]]) -> int:
     """How many served answers differ from the decode side's own greedy answers in this
     process (printed: the first few)."""
-    from pdflow import LLM, SamplingParams, compose
+    from pdflow import SamplingParams
 
-    if not _ORACLE:
-        _ORACLE.append(LLM.from_run_spec(compose([*base(args.set), *args.set])))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    outs = _ORACLE[0].generate([prompt for prompt, _ in answered], sampling)
+    outs = oracle(tuple(args.set)).generate([prompt for prompt, _ in answered], sampling)
     bad = [(len(p), ids, o.token_ids) for (p, ids), o in zip(answered, outs, strict=True) if list(o.token_ids) != ids]
-    for n, served, oracle in bad[:3]:
-        print(f"  differs: a {n}-token prompt served {served}, one process {oracle}", flush=True)
+    for n, served, theirs in bad[:3]:
+        print(f"  differs: a {n}-token prompt served {served}, one process {theirs}", flush=True)
     return len(bad)
 
 
