@@ -145,9 +145,9 @@ async def drive_turns(
     """Closed loop: ``first`` are ready at the start; each answer may make a next request
     (``follow_up``), ready once that answer is back, or from its ``arrival_s`` (seconds
     after the start) when it has one: a user's think time. At most ``concurrency`` in
-    flight, ready requests sent in the order they became ready (were due). Returns the requests in
-    the order they were sent, their results, and the wall time. ``total``: the expected
-    count, for the progress bar only."""
+    flight, ready requests sent in the order they became ready (were due). Returns the
+    requests in the order they were sent, their results, and the wall time. ``total``:
+    the expected count, for the progress bar only."""
     # (ready at, the order they came in, request); no arrival_s: ready when it came.
     ready: list[tuple[float, int, WorkRequest]] = []
     came = itertools.count()
